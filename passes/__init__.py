@@ -1,0 +1,1 @@
+"""torch.fx passes: capture a model, price its nodes, rewrite checkpoint regions."""

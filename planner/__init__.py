@@ -1,0 +1,1 @@
+"""planner: automatic activation checkpointing for PyTorch training."""

@@ -1,0 +1,1 @@
+"""Checkpoint solvers: pure functions over a CostGraph. Never imports torch."""

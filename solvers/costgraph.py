@@ -1,0 +1,126 @@
+"""The data every solver sees: a priced training step, and the schedule a solver returns.
+
+Pure data, no torch. ``passes/estimate.py`` builds a :class:`CostGraph` from a captured
+GraphModule; solvers read it and return a :class:`Schedule`; ``solvers/simulate.py`` replays a
+Schedule over the CostGraph to predict the step's peak memory and its recomputation cost.
+
+Memory is modelled per *storage* (:class:`Tensor`), not per node: views allocate nothing and keep
+their base storage alive, one node may allocate several storages (an output plus, say, a dropout
+mask it saves), and one storage may be saved for backward by several nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+RegionKind = Literal["recompute", "selective", "offload"]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation of the forward pass, in execution (topological) order.
+
+    ``inputs`` are indices of nodes whose outputs this node reads (data edges of the DAG).
+    FLOPs follow ``torch.utils.flop_counter`` (0 for pointwise ops); ``*_bytes_accessed``
+    is what the op reads and writes, for the roofline runtime estimate.
+    ``param_grad_bytes`` are parameter gradients first allocated by this node's backward;
+    they live until the end of the step.
+    """
+
+    name: str
+    op: str = ""
+    inputs: tuple[int, ...] = ()
+    module_path: str = ""
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_bytes_accessed: int = 0
+    bwd_bytes_accessed: int = 0
+    fwd_temp_bytes: int = 0
+    bwd_temp_bytes: int = 0
+    param_grad_bytes: int = 0
+    tags: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One storage allocated during the forward pass.
+
+    ``producer`` allocates it; ``users`` read it in forward (view-resolved); ``saved_by`` are
+    the nodes whose backward needs it, so autograd keeps it alive until the earliest of those
+    (in forward order) has run its backward. ``grad_bytes`` is the size of its gradient buffer
+    in backward (0 when it does not require grad). ``is_output`` marks graph outputs, which
+    live until backward starts.
+    """
+
+    name: str
+    size_bytes: int
+    producer: int
+    users: tuple[int, ...] = ()
+    saved_by: tuple[int, ...] = ()
+    grad_bytes: int = 0
+    is_output: bool = False
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """A priced forward+backward step. ``nodes`` in execution order; ``tensors`` any order."""
+
+    nodes: tuple[Node, ...]
+    tensors: tuple[Tensor, ...]
+    # Device rates for the roofline runtime estimate (calibrated or defaults).
+    flops_per_s: float = 1e11
+    bytes_per_s: float = 1e10
+    # Host<->device transfer rate that offload regions are charged at.
+    offload_bytes_per_s: float = 1e10
+    meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def node_time_s(self, i: int, backward: bool = False) -> float:
+        """Roofline runtime estimate of node ``i``'s forward (or backward)."""
+        n = self.nodes[i]
+        flops = n.bwd_flops if backward else n.fwd_flops
+        moved = n.bwd_bytes_accessed if backward else n.fwd_bytes_accessed
+        return max(flops / self.flops_per_s, moved / self.bytes_per_s)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(n.fwd_flops for n in self.nodes)
+
+    @property
+    def step_flops(self) -> int:
+        """FLOPs of one forward+backward step without recomputation."""
+        return sum(n.fwd_flops + n.bwd_flops for n in self.nodes)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Nodes ``start <= i < stop`` run under one checkpoint.
+
+    ``depth`` 0 is outermost; a region of depth d+1 lies inside one of depth d.
+    ``kind``: 'recompute' drops everything the region saves and recomputes it in backward;
+    'selective' keeps the outputs of the nodes in ``saved_nodes`` and recomputes the rest;
+    'offload' keeps what it saves in host memory instead of on the device.
+    """
+
+    start: int
+    stop: int
+    depth: int = 0
+    kind: RegionKind = "recompute"
+    saved_nodes: frozenset[int] = frozenset()
+
+    def __contains__(self, i: int) -> bool:
+        return self.start <= i < self.stop
+
+    def covers(self, other: Region) -> bool:
+        return self.start <= other.start and other.stop <= self.stop and self != other
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A solver's answer: checkpoint regions (a laminar family of intervals)."""
+
+    regions: tuple[Region, ...] = ()
+    solver: str = "none"
+    # Optimality gap reported by exact solvers (0.0 proven optimal; None unknown).
+    gap: float | None = None
+    note: str = ""
