@@ -1,0 +1,35 @@
+"""Shared test helpers: one seeded training step and gradient comparison."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from passes.step import call, training_loss
+
+
+def step(module: torch.nn.Module, example_input: Any, params: list[torch.nn.Parameter], seed=0):
+    """Loss and parameter gradients of one seeded step (grads cleared first)."""
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = training_loss(call(module, example_input))
+    loss.backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return loss.detach(), grads
+
+
+def assert_same_step(model, module, example_input, seed: int = 0) -> None:
+    """``module`` gives bitwise the loss and every parameter gradient ``model`` gives."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss_a, grads_a = step(model, example_input, params, seed)
+    loss_b, grads_b = step(module, example_input, params, seed)
+    assert torch.equal(loss_a, loss_b), (loss_a.item(), loss_b.item())
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, ga, gb in zip(names, grads_a, grads_b):
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            assert torch.equal(ga, gb), f"gradient of {name} differs: {(ga - gb).abs().max()}"

@@ -1,0 +1,92 @@
+"""End to end: plan() on small models, for every solver; the budget contract; errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import planner
+from benchmarks.models import gpt_ref_small_example, residual_cnn_example
+from solvers.registry import SOLVERS
+from tests.helpers import assert_same_step
+
+EXAMPLES = {
+    "gpt_small": gpt_ref_small_example,
+    "resnet": lambda: residual_cnn_example(batch=4, size=16, channels=8, n_blocks=3),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(EXAMPLES))
+def example(request):
+    model, example_input = EXAMPLES[request.param]()
+    return model, example_input, planner.measure(model, example_input)
+
+
+@pytest.mark.parametrize("solver", sorted(set(SOLVERS) - {"auto"}))
+def test_every_solver_trains_exactly_like_the_model(example, solver):
+    model, example_input, eager = example
+    p = planner.plan(model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver=solver)
+    assert p.predicted_peak_bytes <= p.budget_bytes
+    assert_same_step(model, p.module, example_input)
+    model_params = {id(q) for q in model.parameters()}
+    assert {id(q) for q in p.module.parameters()} == model_params
+
+
+def test_checkpointing_every_block_lowers_the_measured_peak(example):
+    model, example_input, eager = example
+    p = planner.plan(model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver="uniform")
+    assert p.regions, "uniform must checkpoint something"
+    assert all(r.name in p.module.code for r in p.regions)
+    measured = planner.measure(p.module, example_input)
+    assert measured.peak_bytes < eager.peak_bytes
+    assert p.predicted_peak_bytes < p.baseline_peak_bytes
+
+
+def test_prediction_tracks_measurement_within_15_percent(example):
+    model, example_input, eager = example
+    p = planner.plan(model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver="none")
+    assert p.predicted_peak_bytes == pytest.approx(eager.peak_bytes, rel=0.15)
+
+
+def test_budget_below_every_schedule_states_the_least_feasible():
+    model, example_input = gpt_ref_small_example()
+    with pytest.raises(planner.InfeasibleBudgetError) as info:
+        planner.plan(model, example_input, mem_budget_gb=1e-6)
+    assert info.value.min_bytes > 1e-6 * 1e9
+    assert "least feasible budget" in str(info.value)
+    # The least feasible budget it states is indeed feasible.
+    p = planner.plan(model, example_input, mem_budget_gb=info.value.min_bytes / 1e9)
+    assert p.predicted_peak_bytes <= info.value.min_bytes
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, math.nan, math.inf, "lots", None])
+def test_invalid_budgets_are_refused(budget):
+    model, example_input = gpt_ref_small_example()
+    with pytest.raises(planner.InvalidBudgetError, match="mem_budget_gb"):
+        planner.plan(model, example_input, mem_budget_gb=budget)
+
+
+def test_unknown_solver_lists_the_known_ones():
+    model, example_input = gpt_ref_small_example()
+    with pytest.raises(ValueError, match="uniform"):
+        planner.plan(model, example_input, mem_budget_gb=1.0, solver="magic")
+
+
+def test_summary_names_regions_and_units():
+    model, example_input = gpt_ref_small_example()
+    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform")
+    text = p.summary()
+    assert "MiB" in text and "uniform" in text
+    for region in p.regions:
+        assert region.name in text
+
+
+def test_planned_module_infers_like_the_model_under_no_grad():
+    model, example_input = gpt_ref_small_example()
+    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform")
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(p.module(*example_input), model(*example_input))
+    model.train()
