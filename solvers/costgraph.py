@@ -63,8 +63,27 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class GradBuffer:
+    """A buffer that node ``alloc_node``'s backward creates and node ``free_node``'s frees.
+
+    Gradients of activations (whole, or partial ones before accumulation, or a buffer that
+    several inputs' gradients are views of). Backward visits nodes in reverse order whatever
+    the schedule, so these lifetimes are the same for every schedule.
+    """
+
+    size_bytes: int
+    alloc_node: int
+    free_node: int
+
+
+@dataclass(frozen=True)
 class CostGraph:
-    """A priced forward+backward step. ``nodes`` in execution order; ``tensors`` any order."""
+    """A priced forward+backward step. ``nodes`` in execution order; ``tensors`` any order.
+
+    ``grad_buffers``: when given (the estimator observes them), the gradient buffers of
+    backward exactly; when None, each storage's gradient is ``Tensor.grad_bytes``, allocated at
+    the backward of its last forward user and freed at its producer's.
+    """
 
     nodes: tuple[Node, ...]
     tensors: tuple[Tensor, ...]
@@ -73,6 +92,7 @@ class CostGraph:
     bytes_per_s: float = 1e10
     # Host<->device transfer rate that offload regions are charged at.
     offload_bytes_per_s: float = 1e10
+    grad_buffers: tuple[GradBuffer, ...] | None = None
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def node_time_s(self, i: int, backward: bool = False) -> float:

@@ -63,6 +63,31 @@ def validate(graph: CostGraph, schedule: Schedule) -> None:
                 raise InvalidScheduleError(f"region {a} appears twice")
 
 
+def gradient_bytes(graph: CostGraph) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Bytes node i's backward allocates before its peak, and frees after it.
+
+    Backward visits nodes in reverse order whatever the schedule, so gradient buffers depend on
+    position only: ``alloc[i]`` (activation gradients it creates plus its parameter gradients)
+    is added before node i's backward event, ``free[i]`` removed after it. From
+    ``graph.grad_buffers`` when the estimator observed them; else one gradient of
+    ``Tensor.grad_bytes`` per storage, created at its last forward user's backward and freed at
+    its producer's. Solvers that price backward themselves should use this, not re-derive it.
+    """
+    n = len(graph.nodes)
+    alloc = [nd.param_grad_bytes for nd in graph.nodes]
+    free = [0] * n
+    if graph.grad_buffers is not None:
+        for b in graph.grad_buffers:
+            alloc[b.alloc_node] += b.size_bytes
+            free[b.free_node] += b.size_bytes
+    else:
+        for t in graph.tensors:
+            if t.grad_bytes and t.users:
+                alloc[max(t.users)] += t.grad_bytes
+                free[t.producer] += t.grad_bytes
+    return tuple(alloc), tuple(free)
+
+
 class _Replay:
     def __init__(self, graph: CostGraph, schedule: Schedule) -> None:
         validate(graph, schedule)
@@ -79,7 +104,7 @@ class _Replay:
         self.peak_event = ""
         self.holds: dict[tuple, list[int]] = {}  # key -> [device bytes, hold count]
         self.releases: dict[tuple, list[tuple]] = {}  # (ctx, event) -> keys to release
-        self.grads: set[int] = set()
+        self.grad_alloc, self.grad_free = gradient_bytes(graph)
         self.timeline: list[tuple[str, int]] = []
         self.recompute_flops = 0
         self.recompute_time_s = 0.0
@@ -193,17 +218,10 @@ class _Replay:
                 i = region.start - 1
                 continue
             node = self.g.nodes[i]
-            for t_i in self.used[i]:
-                t = self.g.tensors[t_i]
-                if t.grad_bytes and t_i not in self.grads:
-                    self.grads.add(t_i)
-                    self._hold(("grad", t_i), t.grad_bytes, 1)
-            self.live_bytes += node.param_grad_bytes
+            self.live_bytes += self.grad_alloc[i]  # gradients and parameter gradients
             fetched = sum(self.fetches.pop((ctx, i), ()))  # offloaded storages come back
             self._mark(f"{label}:{node.name}", node.bwd_temp_bytes + fetched)
-            for t_i in self.produced[i]:
-                if t_i in self.grads:
-                    self._release(("grad", t_i))
+            self.live_bytes -= self.grad_free[i]
             self._release_at(ctx, ("bwd", i))
             if region is not None and i == region.start:
                 self._release_at(ctx, ("region_end", region))  # an offload region's inputs

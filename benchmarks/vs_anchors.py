@@ -1,0 +1,363 @@
+"""planner against the checkpointing people use today, on GPT-ref (CPU), all measured the same way.
+
+Anchors: eager; ``torch.utils.checkpoint`` on every block by hand; ``checkpoint_sequential`` with
+about sqrt(N) segments; selective activation checkpointing that saves matmul outputs; and
+``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at 0.5 and 0.2.
+Then planner's rows: ``planner.plan`` with each anchor's measured peak as the budget.
+
+Every row is one ``planner.measure`` step (compiled rows via the profiler's allocation events,
+since a dispatch-mode tracker makes dynamo run eager). Recompute FLOPs % is the step's FLOPs over
+eager's minus one, counted by ``FlopCounterMode``'s formulas: on the eager step for hand-written
+checkpointing, on the forward and backward graphs inductor actually compiles for torch.compile.
+
+    python -m benchmarks.vs_anchors            # GPT-ref, writes the BENCHMARKS.md section
+    python -m benchmarks.vs_anchors --small    # GPT-ref-small smoke run, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from benchmarks.models import gpt_ref_example, gpt_ref_small_example
+from passes.step import call, training_loss
+from planner.measure import Measurement, measure
+
+MiB = 2**20
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+SECTION_START, SECTION_END = "<!-- vs_anchors:start -->", "<!-- vs_anchors:end -->"
+COMMAND = "python -m benchmarks.vs_anchors"
+# matmul outputs: what selective checkpointing keeps (Linear on 3-D input is view + addmm/mm)
+MATMUL_OPS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
+
+Example = Callable[[], tuple[nn.Module, Any]]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    peak_bytes: int
+    step_flops: int
+    step_time_s: float
+    setup_time_s: float  # planning, wrapping or compiling before the first step
+    method: str  # how the peak was measured: "tracker" | "profiler" | "cuda"
+    recompute_flops_pct: float = 0.0  # step FLOPs / eager step FLOPs - 1, in percent
+    step_time_ratio: float = 1.0  # step time / eager step time
+    note: str = ""
+
+
+# --- the anchors: each turns a fresh GPT into the module to measure -------------------------
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module, context_fn: Callable | None = None) -> None:
+        super().__init__()
+        self.block, self.context_fn = block, context_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.context_fn is None:
+            return checkpoint(self.block, x, use_reentrant=False)
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=self.context_fn)
+
+
+class _Segmented(nn.Module):
+    def __init__(self, blocks: nn.ModuleList, segments: int) -> None:
+        super().__init__()
+        self.blocks, self.segments = nn.Sequential(*blocks), segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's own: every segment but the last is checkpointed
+        return checkpoint_sequential(self.blocks, self.segments, x, use_reentrant=False)
+
+
+def checkpoint_every_block(model: nn.Module) -> nn.Module:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = _Checkpointed(block)
+    return model
+
+
+def checkpoint_sqrt_segments(model: nn.Module) -> nn.Module:
+    segments = max(1, round(math.sqrt(len(model.blocks))))
+    model.blocks = nn.ModuleList([_Segmented(model.blocks, segments)])
+    return model
+
+
+def selective_save_matmuls(model: nn.Module) -> nn.Module:
+    context_fn = partial(create_selective_checkpoint_contexts, MATMUL_OPS)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = _Checkpointed(block, context_fn)
+    return model
+
+
+HAND_ANCHORS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "checkpoint every block": checkpoint_every_block,
+    "checkpoint_sequential sqrt(N)": checkpoint_sqrt_segments,
+    "SAC, save matmuls": selective_save_matmuls,
+}
+
+
+# --- FLOPs -------------------------------------------------------------------------------------
+
+
+def step_flops(module: nn.Module, example_input: Any) -> int:
+    """FLOPs of one eager forward + loss + backward, recomputation included."""
+    for p in module.parameters():
+        p.grad = None
+    with FlopCounterMode(display=False) as counter:
+        training_loss(call(module, example_input)).backward()
+    for p in module.parameters():
+        p.grad = None
+    return counter.get_total_flops()
+
+
+def graph_flops(gm: torch.fx.GraphModule) -> int:
+    """FlopCounterMode's formulas over an aten graph's nodes, shapes from their fake values."""
+    total = 0
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        count = flop_registry.get(target.overloadpacket)
+        if count is None:
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        total += count(*args, **kwargs, out_val=node.meta.get("val"))
+    return total
+
+
+def compile_with_budget(
+    model: nn.Module, example_input: Any, budget: float, backend: str = "inductor"
+) -> tuple[nn.Module, float, int]:
+    """torch.compile(model) with ``activation_memory_budget``, compiled by running one step.
+
+    Returns the compiled module, the first step's wall time (compile included: the two do not
+    separate) and the FLOPs of the forward and backward graphs handed to the compiler, where
+    whatever the partitioner chose to recompute shows up. ``backend="aot_eager"`` partitions the
+    same way (min-cut with inductor's decompositions and ranking, as torch's
+    ``aot_eager_decomp_partition``) but runs the graphs eagerly: minutes faster to compile,
+    without inductor's fusion, so its memory is not inductor's.
+    """
+    import torch._functorch.config as functorch_config
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner, select_decomp_table
+
+    compiled_flops: list[int] = []
+
+    def inner_compile(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        compiled_flops.append(graph_flops(gm))
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def inductor_counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+    def nop_counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        compiled_flops.append(graph_flops(gm))
+        return make_boxed_func(gm.forward)
+
+    aot_eager_counting = aot_autograd(
+        fw_compiler=nop_counting,
+        bw_compiler=nop_counting,
+        decompositions=select_decomp_table(),
+        partition_fn=partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )
+    backends = {"inductor": inductor_counting, "aot_eager": aot_eager_counting}
+    if backend not in backends:
+        raise ValueError(f"backend must be one of {sorted(backends)}, got {backend!r}")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backends[backend])
+    # the autograd cache would skip partitioning and inner_compile, leaving nothing counted
+    with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False):
+        start_s = time.perf_counter()
+        training_loss(call(compiled, example_input)).backward()
+        compile_s = time.perf_counter() - start_s
+    for p in model.parameters():
+        p.grad = None
+    return compiled, compile_s, sum(compiled_flops)
+
+
+# --- rows --------------------------------------------------------------------------------------
+
+
+def _row(name: str, m: Measurement, flops: int, setup_s: float, note: str = "") -> Row:
+    return Row(name, m.peak_bytes, flops, m.step_time_s, setup_s, m.method, note=note)
+
+
+def _relative(rows: list[Row], eager: Row) -> list[Row]:
+    return [
+        replace(
+            r,
+            recompute_flops_pct=100.0 * (r.step_flops / eager.step_flops - 1.0),
+            step_time_ratio=r.step_time_s / eager.step_time_s,
+        )
+        for r in rows
+    ]
+
+
+def anchor_rows(
+    example: Example = gpt_ref_example,
+    *,
+    compile_budgets: tuple[float, ...] = (0.5, 0.2),
+    compile_backend: str = "inductor",
+    repeats: int = 1,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """Eager first, then every anchor, each on a fresh model with the same weights and input."""
+    rows = []
+    model, x = example()
+    flops = step_flops(model, x)  # doubles as the warmup step
+    rows.append(_row("eager", measure(model, x, warmup=0, repeats=repeats), flops, 0.0))
+    log(f"eager: {rows[-1].peak_bytes / MiB:.1f} MiB")
+    for name, wrap in HAND_ANCHORS.items():
+        model, x = example()
+        start_s = time.perf_counter()
+        model = wrap(model)
+        setup_s = time.perf_counter() - start_s
+        flops = step_flops(model, x)
+        rows.append(_row(name, measure(model, x, warmup=0, repeats=repeats), flops, setup_s))
+        log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
+    for budget in compile_budgets:
+        model, x = example()
+        compiled, compile_s, flops = compile_with_budget(model, x, budget, compile_backend)
+        m = measure(compiled, x, warmup=0, repeats=repeats)  # method "profiler" (compiled)
+        name = f"torch.compile ({compile_backend}), activation_memory_budget={budget}"
+        rows.append(_row(name, m, flops, compile_s, note="time includes the first step"))
+        log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
+    torch._dynamo.reset()
+    return _relative(rows, rows[0])
+
+
+def planner_rows(
+    anchors: list[Row],
+    example: Example = gpt_ref_example,
+    *,
+    solver: str = "auto",
+    repeats: int = 1,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """planner.plan at each anchor's measured peak as the budget, measured like the anchors."""
+    import planner
+
+    eager = anchors[0]
+    rows = []
+    for anchor in anchors[1:]:
+        model, x = example()
+        name = f"planner ({solver}) at {anchor.name}'s peak"
+        start_s = time.perf_counter()
+        try:
+            plan = planner.plan(model, x, mem_budget_gb=anchor.peak_bytes / 1e9, solver=solver)
+        except planner.InfeasibleBudgetError as e:
+            rows.append(Row(name, 0, 0, 0.0, time.perf_counter() - start_s, "-", note=str(e)))
+            log(f"{name}: infeasible")
+            continue
+        plan_s = time.perf_counter() - start_s
+        flops = step_flops(plan.module, x)
+        m = measure(plan.module, x, warmup=0, repeats=repeats)
+        rows.append(_row(name, m, flops, plan_s, note=f"solver {plan.solver}"))
+        log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
+    return _relative(rows, eager)
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def to_markdown(rows: list[Row]) -> str:
+    lines = [
+        "| run | measured peak (MiB) | recompute FLOPs % | step time ratio "
+        "| plan/compile time (s) | measured by | note |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        if r.peak_bytes == 0 and r.method == "-":
+            lines.append(f"| {r.name} | — | — | — | {r.setup_time_s:.1f} | — | {r.note} |")
+            continue
+        lines.append(
+            f"| {r.name} | {r.peak_bytes / MiB:.1f} | {r.recompute_flops_pct:+.1f} "
+            f"| {r.step_time_ratio:.2f} | {r.setup_time_s:.1f} | {r.method} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def write_section(markdown: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace this script's section of BENCHMARKS.md (between its markers), or append it."""
+    section = f"{SECTION_START}\n{markdown}\n{SECTION_END}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION_START in text and SECTION_END in text:
+        head, rest = text.split(SECTION_START, 1)
+        text = head + section + rest.split(SECTION_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def report(rows: list[Row], eager_step_s: float, title: str) -> str:
+    return "\n".join(
+        [
+            f"## {title}",
+            "",
+            f"Regenerate: `{COMMAND}`. CPU ({platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} threads), torch {torch.__version__}. Peak = bytes above "
+            "the step's starting baseline (parameter gradients count); eager step "
+            f"{eager_step_s:.2f} s. Recompute FLOPs: step FLOPs over eager's, FlopCounterMode "
+            "formulas (matmuls only: pointwise recompute is free by this count, not in time).",
+            "",
+            to_markdown(rows),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="GPT-ref-small; print, no file")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        choices=["inductor", "aot_eager"],
+        help="aot_eager: same partitioner, no inductor codegen (minutes faster, unfused memory)",
+    )
+    parser.add_argument("--no-planner", action="store_true", help="skip planner's rows")
+    parser.add_argument("--solver", default="auto", help="planner solver for its rows")
+    parser.add_argument("--repeats", type=int, default=1, help="timed steps per row (median)")
+    args = parser.parse_args(argv)
+
+    example = gpt_ref_small_example if args.small else gpt_ref_example
+    budgets = () if args.no_compile else (0.5, 0.2)
+    rows = anchor_rows(
+        example,
+        compile_budgets=budgets,
+        compile_backend=args.compile_backend,
+        repeats=args.repeats,
+    )
+    if not args.no_planner:
+        try:
+            rows += planner_rows(rows, example, solver=args.solver, repeats=args.repeats)
+        except (ImportError, AttributeError) as e:
+            print(f"planner rows skipped: {e}")
+    title = "GPT-ref-small vs the anchors" if args.small else "GPT-ref vs the anchors (CPU)"
+    markdown = report(rows, rows[0].step_time_s, title)
+    print(markdown)
+    if not args.small:
+        write_section(markdown)
+        print(f"\nwrote {BENCHMARKS_MD}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,445 @@
+"""The command line: ``python -m planner plan|compare|solvers``.
+
+python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
+python -m planner plan mymodels:ResNet --input-shape 32,3,224,224 --budget 2GB
+python -m planner compare benchmarks.models:unet_example --budgets 0.5GB,1GB --measure
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import re
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "kib": 2**10,
+    "mb": 10**6,
+    "mib": 2**20,
+    "gb": 10**9,
+    "gib": 2**30,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+MIB = 2**20
+
+DESCRIPTION = """\
+Plan activation checkpointing for a PyTorch model so one training step (forward, loss, backward)
+fits a memory budget, or compare every solver across budgets.
+
+MODEL is MODULE:FACTORY, e.g. benchmarks.models:gpt_ref_small_example or path/to/file.py:build.
+FACTORY is called (with --factory-kwargs) and returns either a model, whose example input is
+then built from --input-shape/--input-dtype, or a (model, example_input) tuple.
+
+A budget is the peak memory of one step above what is allocated before it (parameters and
+optimizer state are not counted), written with a unit (2GB, 1.5GiB, 512MiB, 300MB) or as a
+percentage of the predicted peak without checkpointing (50%).
+"""
+
+EPILOG = """\
+examples:
+  python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
+  python -m planner plan mymodels.py:Net --input-shape 32,3,64,64 --budget 1GB --solver dp
+  python -m planner compare benchmarks.models:gpt_ref_small_example --budgets 60%,30% --measure
+  python -m planner solvers
+
+In a training script, re-apply a saved plan without solving again:
+  p = planner.apply_plan(model, "plan.json", example_input); train p.module
+"""
+
+
+class UsageError(Exception):
+    """A command-line argument that cannot be understood (exit status 2)."""
+
+
+def parse_budget(text: str) -> tuple[str, float]:
+    """'2GB' -> ('bytes', 2e9); '512MiB' -> ('bytes', 536870912); '50%' -> ('fraction', 0.5)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*", text)
+    if match is None:
+        raise UsageError(f"cannot read the budget {text!r}; write e.g. 2GB, 1.5GiB, 512MiB or 50%")
+    value, unit = float(match.group(1)), match.group(2).lower()
+    if value <= 0:
+        raise UsageError(f"a budget must be positive, got {text!r}")
+    if unit == "%":
+        return "fraction", value / 100
+    if unit not in UNITS:
+        raise UsageError(
+            f"the budget {text!r} needs a unit: one of GB, GiB, MB, MiB, KB, KiB, B "
+            f"(GB = 10^9 bytes, GiB = 2^30 bytes), or a percentage like 50%"
+        )
+    return "bytes", value * UNITS[unit]
+
+
+def parse_budgets(text: str) -> tuple[str, list[float]]:
+    """A comma-separated list of budgets, all absolute or all percentages."""
+    parsed = [parse_budget(part) for part in text.split(",") if part.strip()]
+    if not parsed:
+        raise UsageError("--budgets needs at least one budget, e.g. --budgets 0.5GB,1GB")
+    kinds = {kind for kind, _ in parsed}
+    if len(kinds) > 1:
+        raise UsageError(f"mix of absolute budgets and percentages in {text!r}; use one kind")
+    return kinds.pop(), [value for _, value in parsed]
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in re.split(r"[,x ]+", text.strip()) if s)
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) <= 0:
+        raise UsageError(f"cannot read the input shape {text!r}; write e.g. 8,3,32,32")
+    return shape
+
+
+def load_factory(spec: str) -> Any:
+    """'package.module:attr' or 'path/to/file.py:attr' -> the attribute (dots walk into it)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(
+            f"MODEL must be MODULE:FACTORY, e.g. benchmarks.models:gpt_ref_small_example; "
+            f"got {spec!r}"
+        )
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise UsageError(f"no such file {module_name!r}")
+        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(loader_spec)  # type: ignore[arg-type]
+        sys.path.insert(0, str(path.resolve().parent))
+        loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise UsageError(
+                f"cannot import {module_name!r} ({e}); run from the directory that holds it, "
+                f"or give a file path like path/to/{module_name.replace('.', '/')}.py:{attr}"
+            ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"{module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{spec} is not callable; FACTORY must be a function or a model class")
+    return obj
+
+
+def build_example(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Call the factory; build the example input from the shape flags when it returns a model."""
+    import torch
+
+    factory = load_factory(args.model)
+    try:
+        kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise UsageError(
+            f"--factory-kwargs must be a JSON object, e.g. '{{\"batch\": 2}}': {e}"
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise UsageError("--factory-kwargs must be a JSON object, e.g. '{\"batch\": 2}'")
+    made = factory(**kwargs)
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+        model, example_input = made
+        if args.input_shape:
+            raise UsageError(f"{args.model} returns its own example input; drop --input-shape")
+    elif isinstance(made, torch.nn.Module):
+        model = made
+        if not args.input_shape:
+            raise UsageError(
+                f"{args.model} returns a model without an example input; give its shape, "
+                f"e.g. --input-shape 8,3,32,32 (repeat the flag for several inputs)"
+            )
+        example_input = make_inputs(args.input_shape, args.input_dtype, args.input_high)
+    else:
+        raise UsageError(
+            f"{args.model} returned {type(made).__name__}; FACTORY must return an nn.Module or "
+            f"a (model, example_input) tuple"
+        )
+    device = torch.device(args.device)
+    model = model.to(device)
+    example_input = _to(example_input, device)
+    return model, example_input
+
+
+def make_inputs(shapes: Sequence[str], dtypes: Sequence[str] | None, int_high: int) -> Any:
+    """Random example tensors: floats from a normal distribution, integers in [0, int_high)."""
+    import torch
+
+    dtypes = list(dtypes or ["float32"])
+    if len(dtypes) == 1:
+        dtypes *= len(shapes)
+    if len(dtypes) != len(shapes):
+        raise UsageError("give one --input-dtype, or one per --input-shape")
+    generator = torch.Generator().manual_seed(0)
+    tensors = []
+    for shape_text, dtype_name in zip(shapes, dtypes):
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise UsageError(f"unknown dtype {dtype_name!r}; e.g. float32, bfloat16, int64")
+        shape = parse_shape(shape_text)
+        if dtype.is_floating_point:
+            tensors.append(torch.randn(shape, generator=generator).to(dtype))
+        else:
+            tensors.append(torch.randint(0, int_high, shape, generator=generator, dtype=dtype))
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def _to(example_input: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(example_input, torch.Tensor):
+        return example_input.to(device)
+    if isinstance(example_input, dict):
+        return {k: _to(v, device) for k, v in example_input.items()}
+    if isinstance(example_input, (tuple, list)):
+        return type(example_input)(_to(v, device) for v in example_input)
+    return example_input
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Piped output (CI logs, tests) gets a wide, plain table instead of 80 wrapped columns.
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=max(shutil.get_terminal_size((140, 24)).columns, 140), color_system=None)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from passes.capture import capture
+    from passes.estimate import estimate
+    from planner.plan import build_plan
+    from solvers.costgraph import Schedule
+    from solvers.registry import get_solver
+    from solvers.simulate import simulate
+
+    kind, value = parse_budget(args.budget)
+    try:
+        solve = get_solver(args.solver)
+    except ValueError as e:
+        raise UsageError(f"{e}; see python -m planner solvers") from None
+    model, example_input = build_example(args)
+    with tqdm(total=4, desc="capture", unit="phase", delay=0.5, disable=args.quiet) as bar:
+        captured = capture(model, example_input)
+        bar.update()
+        bar.set_description("estimate")
+        graph = estimate(captured.module, captured.args, captured.kwargs)
+        bar.update()
+        eager_bytes = simulate(graph, Schedule()).peak_bytes
+        budget_bytes = round(value * eager_bytes) if kind == "fraction" else round(value)
+        bar.set_description(f"solve ({args.solver})")
+        t0 = time.perf_counter()
+        schedule = solve(graph, budget_bytes)
+        solve_time_s = time.perf_counter() - t0
+        bar.update()
+        bar.set_description("rewrite")
+        p = build_plan(captured.module, graph, schedule, budget_bytes)
+        bar.update()
+    out = _console()
+    out.print(p.summary(), highlight=False, markup=False)
+    out.print(f"solved in {solve_time_s:.2f} s", highlight=False)
+    if args.measure:
+        from planner.measure import measure
+
+        eager = measure(model, example_input)
+        after = measure(p.module, example_input)
+        out.print(
+            f"measured peak: {eager.peak_bytes / MIB:,.1f} MiB eager -> "
+            f"{after.peak_bytes / MIB:,.1f} MiB planned; step time {eager.step_time_s:.3f} s -> "
+            f"{after.step_time_s:.3f} s",
+            highlight=False,
+        )
+    if args.show_code:
+        out.print(p.module.code, highlight=False, markup=False)
+    if args.out:
+        p.save(args.out)
+        out.print(
+            f"wrote {args.out}; in training: p = planner.apply_plan(model, {str(args.out)!r}, "
+            f"example_input) and train p.module",
+            highlight=False,
+            markup=False,
+        )
+    if args.timeline:
+        from planner.plots import plot_timeline
+
+        plot_timeline(p).savefig(args.timeline, dpi=120)
+        out.print(f"wrote {args.timeline}", highlight=False)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from planner.compare import compare, solver_names
+
+    budgets_gb = fractions = None
+    if args.budgets:
+        kind, values = parse_budgets(args.budgets)
+        if kind == "fraction":
+            fractions = values
+        else:
+            budgets_gb = [v / 1e9 for v in values]
+    solvers = [s.strip() for s in args.solvers.split(",") if s.strip()] if args.solvers else None
+    if solvers is not None:
+        unknown = sorted(set(solvers) - set(solver_names()) - {"auto"})
+        if unknown:
+            raise UsageError(
+                f"unknown solver(s) {', '.join(unknown)}; known: {', '.join(solver_names())}"
+            )
+    model, example_input = build_example(args)
+    c = compare(
+        model,
+        example_input,
+        budgets_gb=budgets_gb,
+        solvers=solvers,
+        measure=args.measure,
+        budget_fractions=fractions,
+        progress=not args.quiet,
+    )
+    out = _console()
+    out.print(c)
+    if args.markdown:
+        Path(args.markdown).write_text(c.to_markdown())
+        out.print(f"wrote {args.markdown}", highlight=False)
+    if args.plot:
+        c.plot().savefig(args.plot, dpi=120)
+        out.print(f"wrote {args.plot}", highlight=False)
+    return 0
+
+
+def cmd_solvers(args: argparse.Namespace) -> int:
+    from planner.compare import solver_names
+    from solvers.registry import SOLVERS
+
+    for name in solver_names() + ["auto"] * ("auto" in SOLVERS):
+        doc = (SOLVERS[name].__doc__ or "").strip().splitlines()
+        print(f"{name:12s} {doc[0] if doc else ''}")
+    return 0
+
+
+def _model_arguments(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("model", metavar="MODEL", help="MODULE:FACTORY, see above")
+    group = sub.add_argument_group("example input (when FACTORY returns only a model)")
+    group.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="SHAPE",
+        help="shape of one input tensor, e.g. 8,3,32,32; repeat for several positional inputs",
+    )
+    group.add_argument(
+        "--input-dtype",
+        action="append",
+        metavar="DTYPE",
+        help="torch dtype of the inputs (default float32); one for all, or one per --input-shape",
+    )
+    group.add_argument(
+        "--input-high",
+        type=int,
+        default=2,
+        metavar="N",
+        help="integer inputs (token ids) are drawn from [0, N); default 2",
+    )
+    sub.add_argument(
+        "--factory-kwargs",
+        metavar="JSON",
+        help="keyword arguments for FACTORY as a JSON object, e.g. '{\"batch\": 2}'",
+    )
+    sub.add_argument("--device", default="cpu", help="device to plan on: cpu (default) or cuda")
+    sub.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m planner",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    plan = commands.add_parser(
+        "plan",
+        help="choose checkpoint regions for one budget; print them, save the plan",
+        description="Choose checkpoint regions so one training step fits --budget, print the "
+        "regions and the predicted memory and recompute cost, and save the plan.\n\n"
+        + DESCRIPTION.split("\n\n", 1)[1],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _model_arguments(plan)
+    plan.add_argument(
+        "--budget", required=True, help="memory budget of one step: 2GB, 1.5GiB, 512MiB or 50%%"
+    )
+    plan.add_argument(
+        "--solver",
+        default="auto",
+        help="which solver chooses the regions (default auto); list them: python -m planner "
+        "solvers",
+    )
+    plan.add_argument("--out", metavar="PLAN.json", help="save the plan here (for apply_plan)")
+    plan.add_argument("--measure", action="store_true", help="also run and measure a real step")
+    plan.add_argument("--timeline", metavar="PNG", help="save the predicted memory timeline")
+    plan.add_argument("--show-code", action="store_true", help="print the rewritten module's code")
+    plan.set_defaults(run=cmd_plan)
+
+    cmp = commands.add_parser(
+        "compare",
+        help="every solver at several budgets, as a table (and a Pareto plot)",
+        description="Run every solver (or --solvers) at every budget on one capture of the "
+        "model and print a table: predicted (and with --measure, measured) peak, recompute "
+        "FLOPs, solve time, and the least feasible budget where a solver cannot fit.\n\n"
+        + DESCRIPTION.split("\n\n", 1)[1],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _model_arguments(cmp)
+    cmp.add_argument(
+        "--budgets",
+        help="comma-separated budgets, e.g. 0.5GB,1GB or 60%%,30%% (default 80%%,60%%,40%%,20%%)",
+    )
+    cmp.add_argument("--solvers", help="comma-separated solver names (default: all but auto)")
+    cmp.add_argument(
+        "--measure", action="store_true", help="run each plan for real: measured peak, step time"
+    )
+    cmp.add_argument("--markdown", metavar="MD", help="also write the table as markdown here")
+    cmp.add_argument("--plot", metavar="PNG", help="save the memory/recompute Pareto plot here")
+    cmp.set_defaults(run=cmd_compare)
+
+    solvers = commands.add_parser("solvers", help="list the solvers and what each does")
+    solvers.set_defaults(run=cmd_solvers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from solvers.errors import PlannerError
+
+    try:
+        return args.run(args)
+    except UsageError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except PlannerError as e:
+        # Planner errors say what went wrong and how to fix it; a traceback adds nothing.
+        print(f"planner: {type(e).__name__}: {e}", file=sys.stderr)
+        least = getattr(e, "min_bytes", None)
+        if least is not None:
+            print(
+                f"  on the command line: --budget {math.ceil(least / MIB * 10) / 10}MiB",
+                file=sys.stderr,
+            )
+        return 1
+    return 0

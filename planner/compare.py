@@ -1,0 +1,329 @@
+"""``planner.compare``: every solver at every budget on one model, side by side.
+
+The model is captured and priced once; each solver then solves the same CostGraph, so rows differ
+only by solver and budget. With ``measure=True`` each plan also runs one real training step
+(``planner.measure``) for its measured peak and step time against the unmodified model's.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from passes.capture import capture
+from passes.estimate import estimate
+from passes.step import LossFn
+from solvers.costgraph import Schedule
+from solvers.errors import InfeasibleBudgetError, PlannerError
+from solvers.registry import SOLVERS, get_solver
+from solvers.simulate import simulate
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from rich.table import Table
+
+    from planner.plan import Plan
+
+MIB = 2**20
+GB = 10**9
+# Cheap, well-known policies first, then the optimising solvers; unknown ones follow by name.
+PREFERRED_ORDER = ("none", "uniform", "sqrt", "revolve", "selective", "greedy", "dp", "ilp")
+DEFAULT_BUDGET_FRACTIONS = (0.8, 0.6, 0.4, 0.2)  # of the predicted eager peak
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (solver, budget) result. Infeasible rows carry the least feasible budget instead."""
+
+    solver: str
+    budget_bytes: int
+    feasible: bool
+    predicted_peak_bytes: int | None
+    measured_peak_bytes: int | None
+    recompute_flops_pct: float | None  # extra forward FLOPs as % of one eager fwd+bwd step
+    step_time_ratio: float | None  # measured step time / the unmodified model's
+    solve_time_s: float
+    least_feasible_bytes: int | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Rows of ``compare()`` plus the eager reference they are judged against."""
+
+    rows: tuple[Row, ...]
+    eager_predicted_peak_bytes: int
+    eager_measured_peak_bytes: int | None
+    eager_step_time_s: float | None
+    step_flops: int
+    estimate_time_s: float
+    # (solver, budget_bytes) -> Plan for each feasible row, to inspect or train one of them.
+    plans: Mapping[tuple[str, int], Plan] = field(default_factory=dict, repr=False, compare=False)
+
+    def plan(self, solver: str, budget_gb: float) -> Plan:
+        """The plan a feasible row made (budget in decimal GB, as given to ``compare``)."""
+        key = (solver, _gb_to_bytes(budget_gb))
+        if key not in self.plans:
+            made = ", ".join(f"{s} @ {b / GB:g} GB" for s, b in self.plans)
+            raise KeyError(f"no feasible plan for {solver!r} at {budget_gb} GB; made: {made}")
+        return self.plans[key]
+
+    def to_pandas(self) -> Any:
+        """The rows as a ``pandas.DataFrame`` (pandas is an optional dependency)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError(
+                "Comparison.to_pandas() needs pandas: pip install pandas "
+                "(or install planner with its dev extra: pip install -e '.[dev]')"
+            ) from None
+        from dataclasses import asdict
+
+        return pd.DataFrame([asdict(r) for r in self.rows])
+
+    def _cells(self) -> tuple[list[str], list[list[str]]]:
+        measured = any(r.measured_peak_bytes is not None for r in self.rows)
+        header = ["solver", "budget", "feasible", "predicted peak"]
+        header += ["measured peak", "step time ratio"] if measured else []
+        header += ["recompute FLOPs", "solve time"]
+        body = []
+        for r in self.rows:
+            if r.feasible:
+                cells = [r.solver, _mib(r.budget_bytes), "yes", _mib(r.predicted_peak_bytes)]
+                if measured:
+                    cells += [_mib(r.measured_peak_bytes), _ratio(r.step_time_ratio)]
+                cells += [f"+{r.recompute_flops_pct:.1f}%", f"{r.solve_time_s:.2f} s"]
+            else:
+                least = (
+                    f"no: least {_mib(r.least_feasible_bytes)}"
+                    if r.least_feasible_bytes is not None
+                    else f"no: {r.note}"
+                )
+                cells = [r.solver, _mib(r.budget_bytes), least, "-"]
+                cells += ["-", "-"] if measured else []
+                cells += ["-", f"{r.solve_time_s:.2f} s"]
+            body.append(cells)
+        return header, body
+
+    def _caption(self) -> str:
+        text = f"eager step: predicted peak {_mib(self.eager_predicted_peak_bytes)}"
+        if self.eager_measured_peak_bytes is not None:
+            text += f", measured peak {_mib(self.eager_measured_peak_bytes)}"
+        if self.eager_step_time_s is not None:
+            text += f", step time {self.eager_step_time_s * 1e3:,.1f} ms"
+        return text + f"; {self.step_flops / 1e9:,.2f} GFLOPs per step"
+
+    def to_markdown(self) -> str:
+        """A GitHub markdown table, with the eager reference as its first line."""
+        header, body = self._cells()
+        lines = [self._caption(), "", "| " + " | ".join(header) + " |"]
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines) + "\n"
+
+    def __rich__(self) -> Table:
+        from rich.table import Table
+
+        header, body = self._cells()
+        table = Table(title="planner.compare", caption=self._caption(), title_justify="left")
+        for column in header:
+            left = column in ("solver", "feasible")
+            table.add_column(column, justify="left" if left else "right")
+        for r, cells in zip(self.rows, body):
+            table.add_row(*cells, style=None if r.feasible else "dim")
+        return table
+
+    def print_table(self, console: Any = None) -> None:
+        """Print the table to the terminal (or to the given ``rich.console.Console``)."""
+        from rich.console import Console
+
+        (console or Console()).print(self)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(file=out, width=140, force_terminal=False, color_system=None).print(self)
+        return out.getvalue()
+
+    def plot(self, *, ax: Any = None) -> Figure:
+        """Peak memory vs recompute FLOPs: each solver's Pareto front, eager, the budgets."""
+        from planner.plots import plot_pareto
+
+        return plot_pareto(self, ax=ax)
+
+
+def _mib(n_bytes: int | None) -> str:
+    if n_bytes is None:
+        return "-"
+    mib = n_bytes / MIB
+    return f"{mib:,.1f} MiB" if mib >= 10 else f"{mib:.3f} MiB"  # tiny test models stay legible
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _gb_to_bytes(gb: float) -> int:
+    return round(float(gb) * GB)
+
+
+def solver_names() -> list[str]:
+    """Every registered solver except 'auto' (which picks one of them), well-known ones first."""
+    get_solver("none")  # loads the solver modules, which register themselves
+    names = [n for n in SOLVERS if n != "auto"]
+    return sorted(
+        names,
+        key=lambda n: (
+            (PREFERRED_ORDER.index(n), n) if n in PREFERRED_ORDER else (len(PREFERRED_ORDER), n)
+        ),
+    )
+
+
+def compare(
+    model: torch.nn.Module,
+    example_input: Any,
+    budgets_gb: Sequence[float] | None = None,
+    solvers: Sequence[str] | None = None,
+    measure: bool = False,
+    *,
+    loss_fn: LossFn | None = None,
+    budget_fractions: Sequence[float] | None = None,
+    solver_opts: Mapping[str, Mapping[str, Any]] | None = None,
+    repeats: int = 3,
+    progress: bool = False,
+) -> Comparison:
+    """Run every solver at every budget on one capture of ``model``; one row each.
+
+    ``budgets_gb``: decimal GB (10^9 bytes), as ``plan``'s ``mem_budget_gb``. Without it, the
+    budgets are ``budget_fractions`` of the predicted eager peak (default 0.8, 0.6, 0.4, 0.2).
+    ``solvers``: names from ``solvers.registry`` (default: all but 'auto'). ``measure``: also
+    run each plan's real training step (``planner.measure``, ``repeats`` timed steps) for the
+    measured peak and the step-time ratio against the unmodified model.
+    ``solver_opts``: extra keyword options per solver name, e.g. ``{"ilp": {"time_limit_s": 5}}``.
+    ``progress``: show a progress bar (only once a step takes more than half a second).
+    """
+    from tqdm import tqdm
+
+    from planner.measure import measure as measure_step
+    from planner.plan import build_plan
+
+    names = list(solvers) if solvers is not None else solver_names()
+    solve_fns = {name: get_solver(name) for name in names}  # unknown names fail before the work
+    if budgets_gb is not None:
+        budgets_bytes = [_gb_to_bytes(gb) for gb in budgets_gb]
+        if not budgets_bytes or min(budgets_bytes) <= 0:
+            raise ValueError(f"budgets_gb must be positive numbers of GB, got {budgets_gb!r}")
+    fractions = tuple(budget_fractions or DEFAULT_BUDGET_FRACTIONS)
+    if budgets_gb is not None and budget_fractions is not None:
+        raise ValueError("give budgets_gb or budget_fractions, not both")
+    if not all(f > 0 for f in fractions):
+        raise ValueError(f"budget_fractions must be positive, got {budget_fractions!r}")
+    opts = solver_opts or {}
+
+    n_budgets = len(budgets_gb) if budgets_gb is not None else len(fractions)
+    bar = tqdm(
+        total=2 + len(names) * n_budgets,
+        disable=not progress,
+        delay=0.5,
+        unit="step",
+        desc="capture",
+    )
+    try:
+        t0 = time.perf_counter()
+        captured = capture(model, example_input)
+        bar.update()
+        bar.set_description("estimate")
+        graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
+        bar.update()
+        estimate_time_s = time.perf_counter() - t0
+        eager_predicted = simulate(graph, Schedule()).peak_bytes
+        if budgets_gb is None:
+            budgets_bytes = [round(f * eager_predicted) for f in fractions]
+
+        eager = None
+        if measure:
+            bar.set_description("measure eager")
+            eager = measure_step(model, example_input, loss_fn, repeats=repeats)
+        step_flops = max(graph.step_flops, 1)
+
+        rows: list[Row] = []
+        plans: dict[tuple[str, int], Plan] = {}
+        for budget_bytes in budgets_bytes:
+            for name in names:
+                bar.set_description(f"{name} @ {_mib(budget_bytes)}")
+                t0 = time.perf_counter()
+                try:
+                    schedule = solve_fns[name](graph, budget_bytes, **opts.get(name, {}))
+                except InfeasibleBudgetError as e:
+                    rows.append(
+                        _infeasible(name, budget_bytes, time.perf_counter() - t0, least=e.min_bytes)
+                    )
+                    bar.update()
+                    continue
+                except PlannerError as e:  # e.g. a solver that does not handle this graph
+                    rows.append(
+                        _infeasible(
+                            name,
+                            budget_bytes,
+                            time.perf_counter() - t0,
+                            note=str(e).splitlines()[0],
+                        )
+                    )
+                    bar.update()
+                    continue
+                solve_time_s = time.perf_counter() - t0
+                p = build_plan(captured.module, graph, schedule, budget_bytes)
+                measured = None
+                if eager is not None:
+                    measured = measure_step(p.module, example_input, loss_fn, repeats=repeats)
+                rows.append(
+                    Row(
+                        solver=name,
+                        budget_bytes=budget_bytes,
+                        feasible=p.predicted_peak_bytes <= budget_bytes,
+                        predicted_peak_bytes=p.predicted_peak_bytes,
+                        measured_peak_bytes=None if measured is None else measured.peak_bytes,
+                        recompute_flops_pct=100 * p.predicted_recompute_flops / step_flops,
+                        step_time_ratio=None
+                        if measured is None
+                        else measured.step_time_s / max(eager.step_time_s, 1e-12),
+                        solve_time_s=solve_time_s,
+                        note="" if name == p.solver else f"chose {p.solver}",
+                    )
+                )
+                plans[(name, budget_bytes)] = p
+                bar.update()
+    finally:
+        bar.close()
+    return Comparison(
+        rows=tuple(rows),
+        eager_predicted_peak_bytes=eager_predicted,
+        eager_measured_peak_bytes=None if eager is None else eager.peak_bytes,
+        eager_step_time_s=None if eager is None else eager.step_time_s,
+        step_flops=graph.step_flops,
+        estimate_time_s=estimate_time_s,
+        plans=plans,
+    )
+
+
+def _infeasible(
+    solver: str, budget_bytes: int, solve_time_s: float, least: int | None = None, note: str = ""
+) -> Row:
+    return Row(
+        solver=solver,
+        budget_bytes=budget_bytes,
+        feasible=False,
+        predicted_peak_bytes=None,
+        measured_peak_bytes=None,
+        recompute_flops_pct=None,
+        step_time_ratio=None,
+        solve_time_s=solve_time_s,
+        least_feasible_bytes=least,
+        note=note,
+    )

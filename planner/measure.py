@@ -1,0 +1,400 @@
+"""Measure one real training step: forward, loss, backward. The ground truth for every prediction.
+
+``measure(module_or_model, example_input)`` runs the step of ``passes/step.py`` and reports the
+peak bytes allocated above the step's starting baseline (DESIGN.md budget semantics: parameters,
+buffers, inputs and optimizer state are the baseline; activations, temporaries and the parameter
+gradients created in backward count), the bytes autograd keeps for backward, and the wall time.
+
+Three ways to see memory, picked by ``method``:
+
+- ``"tracker"`` (CPU default): a TorchDispatchMode that adds each new untyped storage's bytes
+  when an op first returns it and subtracts them through a ``weakref.finalize`` on the storage.
+  Parameters, buffers, inputs and views or in-place results of any pre-existing storage never
+  count. Gradients do: they are op outputs inside backward, and the dispatch mode sees backward.
+- ``"cuda"`` (CUDA default): the caching allocator's ``max_memory_allocated`` above the starting
+  ``memory_allocated``.
+- ``"profiler"`` (default for ``torch.compile``-d modules): the allocator's alloc/free events from
+  ``torch.profiler.profile(profile_memory=True)``. A dispatch mode would make dynamo skip the
+  compiled frame and run eager, so compiled code can only be measured from the allocator side.
+
+Side effects, on purpose none the caller sees: parameter ``.grad`` and buffers (BatchNorm running
+statistics) are restored to what they were, and the global RNG state (CPU, and the CUDA device in
+use) is put back afterwards, so measuring does not shift the caller's random stream. The steps
+themselves draw dropout masks from the caller's stream as it stood (no reseeding), warmup
+first. Gradients of input tensors that require grad are not restored.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from passes.step import LossFn, call, split_input, training_loss
+
+METHODS = ("auto", "tracker", "cuda", "profiler")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured training step; all bytes are above the step's starting baseline."""
+
+    peak_bytes: int
+    saved_bytes: int  # kept for backward at the end of forward (after the loss, loss excluded)
+    step_time_s: float  # median wall time of an untracked step
+    timeline: tuple[tuple[str, int], ...]  # (event label "phase:what", live bytes after it)
+    method: str = "tracker"
+    peak_event: str = ""
+
+
+def measure(
+    module_or_model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    warmup: int = 1,
+    repeats: int = 1,
+    method: str = "auto",
+) -> Measurement:
+    """Run one forward + loss + backward step of ``module_or_model`` and measure it.
+
+    ``warmup`` untracked steps run first (they trigger lazy init and torch.compile, which must not
+    land inside the measured step), then one memory-measured step, then ``repeats`` timed steps
+    without any tracking; ``step_time_s`` is their median. Every step starts with parameter
+    gradients set to None so the gradients created in backward count.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    device = _device_of(module_or_model, example_input)
+    if method == "auto":
+        method = _auto_method(module_or_model, device)
+    if method == "tracker" and _is_compiled(module_or_model):
+        warnings.warn(
+            "method='tracker' runs a torch.compile-d module eager (dynamo skips frames under a "
+            "TorchDispatchMode), so this measures the eager model; use method='profiler'",
+            stacklevel=2,
+        )
+    if method == "cuda" and device.type != "cuda":
+        raise ValueError(f"method='cuda' needs a CUDA model, this one is on {device}")
+
+    measure_step = {"tracker": _tracked_step, "cuda": _cuda_step, "profiler": _profiled_step}
+    with _restored_state(module_or_model, device):
+        for _ in range(warmup):
+            _clear_grads(module_or_model)
+            _step(module_or_model, example_input, loss_fn)
+        _clear_grads(module_or_model)
+        gc.collect()
+        peak_bytes, saved_bytes, timeline, peak_event = measure_step[method](
+            module_or_model, example_input, loss_fn, device
+        )
+        times_s = []
+        for _ in range(repeats):
+            _clear_grads(module_or_model)
+            gc.collect()
+            _sync(device)
+            start_s = time.perf_counter()
+            _step(module_or_model, example_input, loss_fn)
+            _sync(device)
+            times_s.append(time.perf_counter() - start_s)
+    return Measurement(
+        peak_bytes=peak_bytes,
+        saved_bytes=saved_bytes,
+        step_time_s=statistics.median(times_s),
+        timeline=tuple(timeline),
+        method=method,
+        peak_event=peak_event,
+    )
+
+
+def _step(module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None) -> None:
+    training_loss(call(module, example_input), loss_fn).backward()
+
+
+# --- the CPU live-storage tracker --------------------------------------------------------------
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [st for a in attrs for st in _storages(getattr(t, a))]
+    if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
+        return []
+    return [t.untyped_storage()]
+
+
+class _LiveStorageTracker(TorchDispatchMode):
+    """Live bytes of the storages created while active, and their peak, op by op."""
+
+    def __init__(self, baseline: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_event = ""
+        self.timeline: list[tuple[str, int]] = []
+        # storage -> [bytes counted] for storages born in the step, None for baseline storages
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._finalizers: list[weakref.finalize] = []
+        for t in baseline:
+            for st in _storages(t):
+                self._seen[st] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        input_ids = None
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for st in _storages(t):
+                cell = self._seen.get(st, False)
+                if cell is None:
+                    continue  # a baseline storage (parameter, buffer, input) or a view of one
+                if cell is not False:
+                    self._resized(st, cell)
+                    continue
+                if input_ids is None:
+                    input_ids = {
+                        id(s)
+                        for a in tree_leaves((args, kwargs))
+                        if isinstance(a, torch.Tensor)
+                        for s in _storages(a)
+                    }
+                if id(st) in input_ids:
+                    # a view or in-place result of a storage that predates the step
+                    self._seen[st] = None
+                    continue
+                self._born(st)
+        self.mark(f"{self.phase}:{func}")
+        return out
+
+    def _born(self, st: torch.UntypedStorage) -> None:
+        cell = [st.nbytes()]
+        self._seen[st] = cell
+        self._finalizers.append(weakref.finalize(st, self._died, cell))
+        self.live_bytes += cell[0]
+
+    def _resized(self, st: torch.UntypedStorage, cell: list[int]) -> None:
+        nbytes = st.nbytes()
+        if nbytes != cell[0]:  # resize_ on an out= argument or a storage we already count
+            self.live_bytes += nbytes - cell[0]
+            cell[0] = nbytes
+
+    def _died(self, cell: list[int]) -> None:
+        self.live_bytes -= cell[0]
+
+    def mark(self, label: str) -> None:
+        self.timeline.append((label, self.live_bytes))
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_event = self.live_bytes, label
+
+    def detach(self) -> None:
+        """Stop listening for frees: storages still alive (gradients) outlive the tracker."""
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+
+
+def _baseline_tensors(module: torch.nn.Module, example_input: Any) -> list[torch.Tensor]:
+    args, kwargs = split_input(example_input)
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return [*module.parameters(), *module.buffers(), *inputs]
+
+
+def _tracked_step(
+    module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, device: torch.device
+) -> tuple[int, int, list[tuple[str, int]], str]:
+    tracker = _LiveStorageTracker(_baseline_tensors(module, example_input))
+    try:
+        with tracker:
+            output = call(module, example_input)
+            tracker.phase = "loss"
+            loss = training_loss(output, loss_fn)
+            del output  # whatever backward needs, autograd keeps alive
+            tracker.mark("loss:end")
+            saved_bytes = tracker.live_bytes - loss.untyped_storage().nbytes()
+            tracker.phase = "backward"
+            loss.backward()
+            del loss
+            tracker.mark("backward:end")
+    finally:
+        tracker.detach()
+    return tracker.peak_bytes, saved_bytes, tracker.timeline, tracker.peak_event
+
+
+# --- CUDA: the caching allocator's own statistics ----------------------------------------------
+
+
+class _AllocatedLog(TorchDispatchMode):
+    """Timeline only: ``memory_allocated`` above the baseline after every op."""
+
+    def __init__(self, device: torch.device, base_bytes: int) -> None:
+        super().__init__()
+        self.device, self.base_bytes, self.phase = device, base_bytes, "forward"
+        self.timeline: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        self.log(f"{self.phase}:{func}")
+        return out
+
+    def log(self, label: str) -> None:
+        self.timeline.append((label, torch.cuda.memory_allocated(self.device) - self.base_bytes))
+
+
+def _cuda_step(
+    module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, device: torch.device
+) -> tuple[int, int, list[tuple[str, int]], str]:
+    torch.cuda.synchronize(device)
+    base_bytes = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    log = _AllocatedLog(device, base_bytes)
+    with log:
+        output = call(module, example_input)
+        log.phase = "loss"
+        loss = training_loss(output, loss_fn)
+        del output
+        log.log("loss:end")
+        # the caching allocator rounds every block up to 512 bytes
+        loss_bytes = -(-loss.untyped_storage().nbytes() // 512) * 512
+        saved_bytes = torch.cuda.memory_allocated(device) - base_bytes - loss_bytes
+        log.phase = "backward"
+        loss.backward()
+        del loss
+        log.log("backward:end")
+    torch.cuda.synchronize(device)
+    peak_bytes = torch.cuda.max_memory_allocated(device) - base_bytes
+    peak_event = max(log.timeline, key=lambda e: e[1])[0] if log.timeline else ""
+    return peak_bytes, saved_bytes, log.timeline, peak_event
+
+
+# --- the profiler's allocation events (works under torch.compile) ------------------------------
+
+
+def _profiled_step(
+    module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, device: torch.device
+) -> tuple[int, int, list[tuple[str, int]], str]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, profile_memory=True) as prof:
+        with record_function("planner::forward"):
+            output = call(module, example_input)
+        with record_function("planner::loss"):
+            loss = training_loss(output, loss_fn)
+            del output
+        loss_bytes = loss.untyped_storage().nbytes()
+        with record_function("planner::backward"):
+            loss.backward()
+            del loss
+        _sync(device)
+
+    events = prof.profiler.kineto_results.events()
+    ranges_ns = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in _PHASES}
+    device_type = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
+    allocs = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type() == device_type
+    )
+    live_bytes = peak_bytes = 0
+    saved_bytes = None
+    peak_event = ""
+    timeline: list[tuple[str, int]] = []
+    loss_end_ns = ranges_ns["planner::loss"][1]
+    for t_ns, nbytes in allocs:
+        if saved_bytes is None and t_ns > loss_end_ns:
+            saved_bytes = live_bytes - loss_bytes
+            timeline.append(("loss:end", live_bytes))
+        live_bytes += nbytes
+        label = f"{_phase_at(t_ns, ranges_ns)}:{'alloc' if nbytes > 0 else 'free'}"
+        timeline.append((label, live_bytes))
+        if live_bytes > peak_bytes:
+            peak_bytes, peak_event = live_bytes, label
+    if saved_bytes is None:
+        saved_bytes = live_bytes - loss_bytes
+    timeline.append(("backward:end", live_bytes))
+    return peak_bytes, saved_bytes, timeline, peak_event
+
+
+_PHASES = ("planner::forward", "planner::loss", "planner::backward")
+
+
+def _phase_at(t_ns: int, ranges_ns: dict[str, tuple[int, int]]) -> str:
+    for name in _PHASES:
+        start_ns, end_ns = ranges_ns.get(name, (0, -1))
+        if start_ns <= t_ns <= end_ns:
+            return name.removeprefix("planner::")
+    return "backward"  # autograd's device threads may run past the record_function range
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _device_of(module: torch.nn.Module, example_input: Any) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    args, kwargs = split_input(example_input)
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _auto_method(module: torch.nn.Module, device: torch.device) -> str:
+    if _is_compiled(module):
+        return "profiler"
+    return "cuda" if device.type == "cuda" else "tracker"
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    # torch.compile(module) wraps it; module.compile() compiles in place
+    return isinstance(module, OptimizedModule) or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clear_grads(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+@contextmanager
+def _restored_state(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Give back the caller's gradients, buffers and RNG state untouched."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    buffers = list(module.buffers())
+    buffer_values = [b.detach().clone() for b in buffers]
+    rng_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, v in zip(buffers, buffer_values):
+                b.copy_(v)

@@ -1,0 +1,58 @@
+"""The fixed policies: no checkpointing, every block (uniform), and Chen's sqrt(N) segments."""
+
+from __future__ import annotations
+
+import math
+
+from solvers.common import finish, segments_to_regions
+from solvers.costgraph import CostGraph, Schedule
+from solvers.cuts import block_spans, even_cuts
+from solvers.registry import register
+
+
+@register("none")
+def solve_none(graph: CostGraph, budget_bytes: float, **opts) -> Schedule:
+    """No regions: the eager step. Raises if even that exceeds the budget."""
+    return finish(graph, budget_bytes, [], "none")
+
+
+@register("uniform")
+def solve_uniform(
+    graph: CostGraph,
+    budget_bytes: float,
+    k: int | None = None,
+    n_segments: int | None = None,
+    **opts,
+) -> Schedule:
+    """Checkpoint every group of ``k`` consecutive blocks (default 1: every block).
+
+    Blocks are the graph's repeated modules (``blocks.3``); without them, the graph is split
+    into segments at cheap cuts. ``n_segments`` asks for that many regions instead of ``k``.
+    Nodes before the first and after the last block (embedding, head, loss) stay as they are.
+    """
+    spans = block_spans(graph)
+    if spans:
+        bounds = [spans[0][0]] + [stop for _, stop in spans]
+        if n_segments is not None:
+            k = math.ceil((len(bounds) - 1) / max(1, n_segments))
+    else:
+        bounds = even_cuts(graph, n_segments or 4)
+    regions = segments_to_regions(bounds, max(1, k or 1))
+    return finish(graph, budget_bytes, regions, "uniform")
+
+
+@register("sqrt")
+def solve_sqrt(graph: CostGraph, budget_bytes: float, **opts) -> Schedule:
+    """Chen et al. 2016: about sqrt(N) regions of about sqrt(N) units each.
+
+    Units are the repeated blocks when there are any (so a region never splits a block),
+    otherwise nodes, split at the cheapest cuts near even spacing.
+    """
+    spans = block_spans(graph)
+    if len(spans) >= 2:
+        bounds = [spans[0][0]] + [stop for _, stop in spans]
+        regions = segments_to_regions(bounds, max(1, round(math.sqrt(len(spans)))))
+    else:
+        n = len(graph.nodes)
+        regions = segments_to_regions(even_cuts(graph, max(1, round(math.sqrt(n)))))
+    return finish(graph, budget_bytes, regions, "sqrt")

@@ -1,0 +1,131 @@
+"""Where a graph can be cut into checkpoint regions, and what crosses each cut.
+
+A cut ``c`` (1 <= c < n) lies between node ``c - 1`` and node ``c``. The bytes crossing it are
+the storages produced before it that a node after it still reads or saves for backward: what a
+region starting at ``c`` must keep as inputs, and what a solver's state at ``c`` holds. In a
+residual stream only the stream tensor crosses a block boundary, so good cuts are cheap ones.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from solvers.costgraph import CostGraph
+
+_TOKEN = re.compile(r"[A-Za-z_]\w*|\d+")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A cut point and the storages that cross it (indices into ``graph.tensors``)."""
+
+    index: int
+    crossing_bytes: int
+    crossing: tuple[int, ...]
+
+
+def last_need(graph: CostGraph, t_i: int) -> int:
+    """Last node (forward order) that reads or saves storage ``t_i``."""
+    t = graph.tensors[t_i]
+    return max((t.producer, *t.users, *t.saved_by))
+
+
+def cut_points(graph: CostGraph) -> list[Cut]:
+    """Every cut 1..n-1 with the storages crossing it, in O(n + tensors + crossings)."""
+    n = len(graph.nodes)
+    starts: list[list[int]] = [[] for _ in range(n + 1)]
+    for t_i, t in enumerate(graph.tensors):
+        end = last_need(graph, t_i)
+        if end > t.producer:
+            starts[t.producer + 1].append(t_i)
+    cuts: list[Cut] = []
+    live: dict[int, int] = {}  # tensor -> last node needing it
+    for c in range(1, n):
+        for t_i in starts[c]:
+            live[t_i] = last_need(graph, t_i)
+        for t_i in [t_i for t_i, end in live.items() if end < c]:
+            del live[t_i]
+        crossing = tuple(sorted(live))
+        size = sum(graph.tensors[t_i].size_bytes for t_i in crossing)
+        cuts.append(Cut(c, size, crossing))
+    return cuts
+
+
+def crossing_bytes(graph: CostGraph) -> list[int]:
+    """``crossing_bytes(graph)[c]`` for c in 0..n (0 at both ends), via a difference array."""
+    n = len(graph.nodes)
+    diff = [0] * (n + 2)
+    for t_i, t in enumerate(graph.tensors):
+        end = last_need(graph, t_i)
+        if end > t.producer:
+            diff[t.producer + 1] += t.size_bytes
+            diff[end + 1] -= t.size_bytes
+    out, running = [0] * (n + 1), 0
+    for c in range(n + 1):
+        running += diff[c]
+        out[c] = running
+    out[0] = out[n] = 0
+    return out
+
+
+def _block_key(module_path: str) -> tuple[str, int] | None:
+    """('blocks', 3) for 'blocks.3.attn.qkv' or "blocks[3].attn"; None outside any list."""
+    tokens = _TOKEN.findall(module_path)
+    for k, tok in enumerate(tokens):
+        if tok.isdigit():
+            return ".".join(tokens[:k]), int(tok)
+    return None
+
+
+def block_spans(graph: CostGraph) -> list[tuple[int, int]]:
+    """[start, stop) node spans of repeated blocks (``blocks.0``, ``blocks.1``, ...), in order.
+
+    The container with the most distinct indices wins; empty when no module repeats. Adjacent
+    spans are moved to the cheapest cut between one block's last node and the next's first.
+    """
+    groups: dict[str, dict[int, list[int]]] = {}
+    for i, node in enumerate(graph.nodes):
+        key = _block_key(node.module_path)
+        if key is not None:
+            groups.setdefault(key[0], {}).setdefault(key[1], []).append(i)
+    if not groups:
+        return []
+    prefix = max(groups, key=lambda p: len(groups[p]))
+    blocks = groups[prefix]
+    if len(blocks) < 2:
+        return []
+    spans = [(min(idx), max(idx) + 1) for _, idx in sorted(blocks.items())]
+    spans.sort()
+    crossing = crossing_bytes(graph)
+    bounds = [spans[0][0]]
+    for (_, stop), (nxt, _) in zip(spans, spans[1:]):
+        lo, hi = min(stop, nxt), max(stop, nxt)
+        lo = max(lo, bounds[-1] + 1)
+        hi = max(hi, lo)
+        bounds.append(min(range(lo, hi + 1), key=lambda c: (crossing[c], abs(c - stop))))
+    bounds.append(max(spans[-1][1], bounds[-1] + 1))
+    return list(zip(bounds, bounds[1:]))
+
+
+def even_cuts(graph: CostGraph, n_segments: int, lo: int = 0, hi: int | None = None) -> list[int]:
+    """Boundaries lo = b0 < b1 < ... < bk = hi splitting [lo, hi) into ~n_segments pieces.
+
+    Each inner boundary is the cheapest cut (fewest crossing bytes) within half a segment of
+    the evenly spaced position, so segments follow the model's natural seams.
+    """
+    hi = len(graph.nodes) if hi is None else hi
+    n_segments = max(1, min(n_segments, hi - lo))
+    crossing = crossing_bytes(graph)
+    width = (hi - lo) / n_segments
+    bounds = [lo]
+    for j in range(1, n_segments):
+        target = lo + j * width
+        a = max(bounds[-1] + 1, math.ceil(target - width / 2))
+        b = min(hi - (n_segments - j), math.floor(target + width / 2))
+        if a > b:
+            a = b = max(bounds[-1] + 1, min(round(target), hi - (n_segments - j)))
+        bounds.append(min(range(a, b + 1), key=lambda c: (crossing[c], abs(c - target))))
+    bounds.append(hi)
+    return bounds

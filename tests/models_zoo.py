@@ -1,0 +1,252 @@
+"""Small models for the end-to-end, bad-input and property tests (random init, no downloads).
+
+Each ``*_example`` returns ``(model, example_input)`` in train mode, sized so that one plan plus a
+few measured steps take a few seconds on a CPU. ``spec_model`` builds a network from a drawn
+``NetSpec`` for the hypothesis tests.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.models import unet_example
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny configs only; a download would be a bug
+
+
+def gpt2_example(seed: int = 0, use_cache: bool = False):
+    """Hugging Face GPT-2 (2 layers, d 32): dict input, loss from ``.loss``, tied embeddings.
+
+    ``use_cache=True`` is what a user gets from ``GPT2Config()`` by default: the model then
+    returns a ``DynamicCache`` alongside the loss.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=use_cache
+    )
+    model = GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def llama_example(seed: int = 0):
+    """Hugging Face Llama (2 layers, d 32, grouped-query attention, RoPE, RMSNorm, SwiGLU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attention_dropout=0.1,
+    )
+    model = LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def bert_example(seed: int = 0):
+    """Hugging Face BERT masked LM (2 layers, d 32): attention mask, token types, dropout."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    model = BertForMaskedLM(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def small_unet_example(seed: int = 0):
+    """benchmarks' U-Net (long encoder->decoder skips, BatchNorm), 2 levels, 16x16 images."""
+    return unet_example(batch=2, size=16, seed=seed, channels=4, depth=2)
+
+
+class MHABlock(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, n_head, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class MHANet(nn.Module):
+    """A transformer encoder built on ``nn.MultiheadAttention``."""
+
+    def __init__(self, d: int = 32, n_head: int = 2, n_layer: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MHABlock(d, n_head) for _ in range(n_layer))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).mean()
+
+
+def mha_example(seed: int = 0):
+    torch.manual_seed(seed)
+    return MHANet(), torch.randn(2, 32, 32)
+
+
+class InplaceBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.fc1(x))
+        y = self.fc2(y)
+        y += x  # in-place residual add
+        return F.relu_(y)
+
+
+class InplaceNet(nn.Module):
+    """In-place activations (``nn.ReLU(inplace=True)``, ``F.relu_``) and ``x += ...``."""
+
+    def __init__(self, d: int = 64, n_layer: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(InplaceBlock(d) for _ in range(n_layer))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def inplace_example(seed: int = 0):
+    torch.manual_seed(seed)
+    return InplaceNet(), torch.randn(64, 64)
+
+
+class TaggedNet(nn.Module):
+    """Returns ``(logits, 3, "tag")``: non-tensor outputs beside the tensor."""
+
+    def __init__(self, d: int = 64, n_layer: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *(m for _ in range(n_layer) for m in (nn.Linear(d, d), nn.Tanh(), nn.Dropout(0.1)))
+        )
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, str]:
+        return self.head(self.layers(x)), 3, "tag"
+
+
+def tagged_example(seed: int = 0):
+    torch.manual_seed(seed)
+    return TaggedNet(), torch.randn(64, 64)
+
+
+class DataDependentNet(nn.Module):
+    """Branches on a tensor's value: neither torch.export nor symbolic_trace can capture it."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if y.sum() > 0:  # the line the CaptureError must name
+            y = y * 2
+        return y
+
+
+class FrozenNet(nn.Module):
+    """Every parameter frozen: nothing to train, so nothing to plan."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+# --- networks from a drawn spec (property tests) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One stage: ``kind`` in {"linear", "residual", "branch"}, its width and extras."""
+
+    kind: str
+    width: int
+    dropout: bool = False
+    norm: bool = False  # BatchNorm1d after the first linear
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    d_in: int
+    batch: int
+    layers: tuple[LayerSpec, ...]
+    seed: int = 0
+
+
+class _Stage(nn.Module):
+    def __init__(self, d_in: int, spec: LayerSpec) -> None:
+        super().__init__()
+        self.kind = spec.kind
+        self.fc = nn.Linear(d_in, spec.width)
+        self.norm = nn.BatchNorm1d(spec.width) if spec.norm else nn.Identity()
+        self.drop = nn.Dropout(0.2) if spec.dropout else nn.Identity()
+        if spec.kind == "residual":
+            self.fc2 = nn.Linear(spec.width, spec.width)
+        if spec.kind == "branch":  # two parallel arms joined by a concat and a projection
+            self.arm = nn.Linear(d_in, spec.width)
+            self.join = nn.Linear(2 * spec.width, spec.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(F.gelu(self.norm(self.fc(x))))
+        if self.kind == "residual":
+            return y + torch.tanh(self.fc2(y))
+        if self.kind == "branch":
+            return self.join(torch.cat([y, torch.sigmoid(self.arm(x))], dim=-1))
+        return y
+
+
+class SpecNet(nn.Module):
+    def __init__(self, spec: NetSpec) -> None:
+        super().__init__()
+        widths = [spec.d_in] + [layer.width for layer in spec.layers]
+        self.stages = nn.ModuleList(_Stage(w, s) for w, s in zip(widths, spec.layers))
+        self.head = nn.Linear(widths[-1], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(x)
+
+
+def spec_model(spec: NetSpec) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(spec.seed)
+    model = SpecNet(spec).train()
+    return model, torch.randn(spec.batch, spec.d_in)

@@ -1,0 +1,322 @@
+"""compare(), the Comparison table and the plan pictures.
+
+The pictures and the table are checked on hand-built data (a synthetic GPT-like CostGraph, rows
+written by hand); compare() itself runs end to end on a tiny GPT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from matplotlib.figure import Figure
+
+import planner
+from benchmarks.models import gpt_ref_small_example
+from planner.compare import Comparison, Row
+from planner.plots import (
+    MIB,
+    node_bytes,
+    pareto_front,
+    plot_nodes,
+    plot_pareto,
+    plot_timeline,
+)
+from planner.report import dropped_bytes
+from solvers.costgraph import Region, Schedule
+from solvers.simulate import simulate
+from solvers.synthetic import gpt_like_graph
+from tests.helpers import assert_same_step
+
+
+def fake_plan(regions: tuple[Region, ...] = (), budget_bytes: int | None = None):
+    """What the plots read from a Plan, built from a synthetic graph (no torch, no rewrite)."""
+    graph = gpt_like_graph(n_layer=2, d_model=32, n_head=2, seq_len=16, batch=2, vocab=64)
+    schedule = Schedule(regions=regions, solver="hand")
+    sim = simulate(graph, schedule)
+    baseline = simulate(graph, Schedule()).peak_bytes
+    return SimpleNamespace(
+        graph=graph,
+        schedule=schedule,
+        simulation=sim,
+        solver="hand",
+        regions=regions,
+        budget_bytes=budget_bytes or baseline,
+        baseline_peak_bytes=baseline,
+        predicted_peak_bytes=sim.peak_bytes,
+    )
+
+
+BLOCKS = (Region(2, 20), Region(20, 38))  # the two transformer blocks of the synthetic graph
+
+
+def line(ax, label: str):
+    (found,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
+    return found
+
+
+def test_node_bytes_without_regions_keeps_everything_saved():
+    plan = fake_plan()
+    per_node = node_bytes(plan.graph, [])
+    saved = sum(t.size_bytes for t in plan.graph.tensors if t.saved_by)
+    assert sum(k for k, _, _ in per_node) == saved
+    assert all(r == 0 and o == 0 for _, r, o in per_node)
+
+
+def test_node_bytes_recomputed_matches_the_summary_per_region():
+    plan = fake_plan(BLOCKS)
+    per_node = node_bytes(plan.graph, list(BLOCKS))
+    for span in BLOCKS:
+        recomputed = sum(per_node[i][1] for i in range(span.start, span.stop))
+        assert recomputed == dropped_bytes(plan.graph, span) > 0
+    # nothing outside the regions is dropped, and kept + dropped is every saved storage
+    assert all(per_node[i][1] == 0 for i in (0, 1, *range(38, len(per_node))))
+    saved = sum(t.size_bytes for t in plan.graph.tensors if t.saved_by)
+    assert sum(k + r + o for k, r, o in per_node) == saved
+
+
+def test_node_bytes_selective_keeps_its_saved_nodes_and_offload_is_its_own_column():
+    plan = fake_plan()
+    softmax = [n.name for n in plan.graph.nodes].index("blocks.0.softmax")
+    selective = Region(2, 20, kind="selective", saved_nodes=frozenset({softmax}))
+    offload = Region(20, 38, kind="offload")
+    per_node = node_bytes(plan.graph, [selective, offload])
+    assert per_node[softmax][0] > 0 and per_node[softmax][1] == 0
+    assert sum(r for _, r, _ in per_node[2:20]) == dropped_bytes(plan.graph, selective)
+    assert sum(o for _, _, o in per_node[20:38]) == dropped_bytes(plan.graph, offload) > 0
+
+
+def test_plot_timeline_draws_the_simulated_timeline_and_the_lines():
+    plan = fake_plan(BLOCKS)
+    fig = plot_timeline(plan)
+    assert isinstance(fig, Figure)
+    (ax,) = fig.axes
+    predicted = line(ax, "predicted")
+    assert list(predicted.get_ydata()) == [b / MIB for _, b in plan.simulation.timeline]
+    assert line(ax, "budget").get_ydata()[0] == plan.budget_bytes / MIB
+    assert line(ax, "no checkpointing").get_ydata()[0] == plan.baseline_peak_bytes / MIB
+    # each region shaded once in forward and once for its recompute+backward
+    assert len([p for p in ax.patches if p.get_gid() == "region"]) == 2 * len(BLOCKS)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    assert png.getvalue()[:4] == b"\x89PNG"
+
+
+def test_plot_timeline_overlays_a_measured_timeline_phase_by_phase():
+    plan = fake_plan(BLOCKS)
+    n_events = len(plan.simulation.timeline)
+    first_bwd = next(
+        k for k, (e, _) in enumerate(plan.simulation.timeline) if not e.startswith("fwd:")
+    )
+    measured = SimpleNamespace(
+        timeline=(
+            ("forward:aten.mm", 10 * MIB),
+            ("forward:aten.add", 20 * MIB),
+            ("loss:end", 15 * MIB),
+            ("backward:aten.mm", 12 * MIB),
+            ("backward:end", 3 * MIB),
+        )
+    )
+    ax = plot_timeline(plan, measured).axes[0]
+    overlay = line(ax, "measured")
+    assert list(overlay.get_ydata()) == [10, 20, 15, 12, 3]
+    xs = list(overlay.get_xdata())
+    assert xs[0] == 0 and xs[-1] == n_events - 1
+    assert xs == sorted(xs)
+    assert xs[2] == pytest.approx(first_bwd - 0.5) == xs[3]  # loss ends where backward starts
+
+
+def test_plot_nodes_marks_tagged_nodes_and_stacks_bytes():
+    plan = fake_plan(BLOCKS)
+    nodes = list(plan.graph.nodes)
+    nodes[7] = dataclasses.replace(nodes[7], tags=frozenset({"attention"}))
+    nodes[13] = dataclasses.replace(nodes[13], tags=frozenset({"skip"}))
+    plan.graph = dataclasses.replace(plan.graph, nodes=tuple(nodes))
+    ax = plot_nodes(plan).axes[0]
+    labels = {c.get_label(): c for c in ax.collections}
+    assert [p[0] for p in labels["attention nodes"].get_offsets()] == [7]
+    assert [p[0] for p in labels["skip nodes"].get_offsets()] == [13]
+    per_node = node_bytes(plan.graph, list(BLOCKS))
+    kept, recomputed = ax.containers[0], ax.containers[1]
+    assert [b.get_height() for b in kept] == [k / MIB for k, _, _ in per_node]
+    assert [b.get_height() for b in recomputed] == [r / MIB for _, r, _ in per_node]
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=30))
+def test_pareto_front_is_exactly_the_non_dominated_points(points):
+    front = pareto_front(points)
+    dominated = {p for p in points for q in points if q != p and q[0] <= p[0] and q[1] <= p[1]}
+    assert set(front) == set(points) - dominated
+    assert front == sorted(front)
+
+
+def hand_comparison(measured: bool = False) -> Comparison:
+    rng = random.Random(0)
+    rows = []
+    for budget in (300 * MIB, 200 * MIB, 100 * MIB):
+        for solver in ("uniform", "dp"):
+            if solver == "uniform" and budget == 100 * MIB:
+                rows.append(Row(solver, budget, False, None, None, None, None, 0.01, 150 * MIB))
+                continue
+            peak = budget - rng.randrange(1, 50) * MIB
+            rows.append(
+                Row(
+                    solver,
+                    budget,
+                    True,
+                    peak,
+                    peak + MIB if measured else None,
+                    rng.uniform(0, 40),
+                    1.2 if measured else None,
+                    0.5,
+                )
+            )
+    return Comparison(
+        rows=tuple(rows),
+        eager_predicted_peak_bytes=400 * MIB,
+        eager_measured_peak_bytes=410 * MIB if measured else None,
+        eager_step_time_s=0.1 if measured else None,
+        step_flops=10**9,
+        estimate_time_s=1.0,
+    )
+
+
+def test_markdown_has_one_line_per_row_and_states_infeasibility():
+    c = hand_comparison()
+    lines = c.to_markdown().strip().splitlines()
+    assert lines[0].startswith("eager step: predicted peak 400.0 MiB")
+    table = lines[2:]
+    assert len(table) == 2 + len(c.rows)
+    assert "measured peak" not in table[0]
+    assert "| uniform | 100.0 MiB | no: least 150.0 MiB |" in c.to_markdown()
+    measured = hand_comparison(measured=True).to_markdown()
+    assert "measured peak" in measured and "1.20x" in measured
+
+
+def test_rich_table_and_pandas_carry_every_row():
+    c = hand_comparison(measured=True)
+    table = c.__rich__()
+    assert table.row_count == len(c.rows)
+    assert "least 150.0 MiB" in str(c)
+    df = c.to_pandas()
+    assert list(df["solver"]) == [r.solver for r in c.rows]
+    assert df["feasible"].sum() == 5
+
+
+def test_pareto_plot_draws_each_solvers_front_eager_and_budgets():
+    c = hand_comparison()
+    ax = c.plot().axes[0]
+    for solver in ("uniform", "dp"):
+        points = [
+            (r.predicted_peak_bytes / MIB, r.recompute_flops_pct)
+            for r in c.rows
+            if r.solver == solver and r.feasible
+        ]
+        drawn = line(ax, solver)
+        assert list(zip(drawn.get_xdata(), drawn.get_ydata())) == pareto_front(points)
+    eager = [col for col in ax.collections if col.get_label().startswith("eager")]
+    assert [tuple(p) for p in eager[0].get_offsets()] == [(400.0, 0.0)]
+    budget_lines = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+    assert sorted(ln.get_xdata()[0] for ln in budget_lines) == [100.0, 200.0, 300.0]
+    assert "predicted" in ax.get_xlabel()
+    assert "measured" in plot_pareto(hand_comparison(measured=True)).axes[0].get_xlabel()
+
+
+# --- compare() end to end on a tiny GPT --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compared():
+    import planner.compare as compare_module
+
+    model, example_input = gpt_ref_small_example()
+    calls = {"capture": 0, "estimate": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compare_module, "capture", counting("capture", compare_module.capture))
+        mp.setattr(compare_module, "estimate", counting("estimate", compare_module.estimate))
+        c = compare_module.compare(
+            model,
+            example_input,
+            solvers=["none", "uniform"],
+            budget_fractions=[1.05, 0.9],
+            measure=True,
+            repeats=1,
+        )
+    return model, example_input, c, calls
+
+
+def test_compare_captures_and_estimates_once_for_every_row(compared):
+    _, _, c, calls = compared
+    assert calls == {"capture": 1, "estimate": 1}
+    assert [(r.solver, r.budget_bytes) for r in c.rows] == [
+        (s, round(f * c.eager_predicted_peak_bytes))
+        for f in (1.05, 0.9)
+        for s in ("none", "uniform")
+    ]
+
+
+def test_compare_rows_agree_with_the_memory_model_and_the_budget(compared):
+    _, _, c, _ = compared
+    none_ok, uniform_ok, none_tight, uniform_tight = c.rows
+    assert none_ok.feasible and none_ok.predicted_peak_bytes == c.eager_predicted_peak_bytes
+    assert none_ok.recompute_flops_pct == 0
+    assert uniform_ok.feasible and uniform_ok.predicted_peak_bytes < c.eager_predicted_peak_bytes
+    assert uniform_ok.recompute_flops_pct > 0
+    # below the eager peak, 'none' cannot fit and says the eager peak is the least it reaches
+    assert not none_tight.feasible
+    assert none_tight.least_feasible_bytes == c.eager_predicted_peak_bytes
+    assert none_tight.predicted_peak_bytes is None and none_tight.measured_peak_bytes is None
+    for r in c.rows:
+        if r.feasible:
+            assert r.predicted_peak_bytes <= r.budget_bytes
+            p = c.plans[(r.solver, r.budget_bytes)]
+            assert p.predicted_peak_bytes == r.predicted_peak_bytes
+            flops_pct = 100 * p.predicted_recompute_flops / p.step_flops
+            assert r.recompute_flops_pct == pytest.approx(flops_pct)
+        else:
+            assert (r.solver, r.budget_bytes) not in c.plans
+    # budget given in GB finds the same plan
+    row = uniform_ok
+    assert c.plan("uniform", row.budget_bytes / 1e9) is c.plans[("uniform", row.budget_bytes)]
+
+
+def test_compare_measures_with_planner_measure(compared):
+    model, example_input, c, _ = compared
+    assert c.eager_measured_peak_bytes == planner.measure(model, example_input).peak_bytes
+    uniform = c.rows[1]
+    again = planner.measure(c.plans[("uniform", uniform.budget_bytes)].module, example_input)
+    assert uniform.measured_peak_bytes == again.peak_bytes < c.eager_measured_peak_bytes
+    assert all(r.step_time_ratio > 0 for r in c.rows if r.feasible)
+    assert all(r.step_time_ratio is None for r in c.rows if not r.feasible)
+
+
+def test_compared_plans_train_exactly_like_the_model(compared):
+    model, example_input, c, _ = compared
+    assert_same_step(model, c.plans[("uniform", c.rows[1].budget_bytes)].module, example_input)
+
+
+def test_compare_refuses_unknown_solvers_and_bad_budgets_before_capturing(monkeypatch):
+    import planner.compare as compare_module
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before checking its arguments")
+
+    monkeypatch.setattr(compare_module, "capture", no_capture)
+    model, example_input = gpt_ref_small_example()
+    with pytest.raises(ValueError, match="unknown solver 'nope'"):
+        compare_module.compare(model, example_input, [1.0], solvers=["nope"])
+    with pytest.raises(ValueError, match="positive"):
+        compare_module.compare(model, example_input, [0.0], solvers=["none"])

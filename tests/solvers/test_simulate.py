@@ -1,0 +1,152 @@
+"""Hand-computed replays of a three-node chain (bytes 10, 20, 30).
+
+n0 -> t0 (10 B) -> n1 -> t1 (20 B) -> n2 -> t2 (30 B, the output). Each node saves its input
+for backward (t0 by n1, t1 by n2), every activation has a gradient of its own size.
+"""
+
+import pytest
+
+from solvers.costgraph import CostGraph, GradBuffer, Node, Region, Schedule, Tensor
+from solvers.simulate import InvalidScheduleError, gradient_bytes, simulate
+
+FLOPS = (1, 2, 4)
+
+
+def chain(**extra) -> CostGraph:
+    nodes = tuple(
+        Node(name=f"n{i}", inputs=(i - 1,) if i else (), fwd_flops=FLOPS[i]) for i in range(3)
+    )
+    tensors = (
+        Tensor("t0", 10, producer=0, users=(1,), saved_by=(1,), grad_bytes=10),
+        Tensor("t1", 20, producer=1, users=(2,), saved_by=(2,), grad_bytes=20),
+        Tensor("t2", 30, producer=2, grad_bytes=30, is_output=True),
+    )
+    return CostGraph(nodes=nodes, tensors=tensors, **extra)
+
+
+def run(schedule_regions, graph=None):
+    return simulate(graph or chain(), Schedule(tuple(schedule_regions)))
+
+
+def test_no_checkpoint():
+    sim = run([])
+    # forward keeps t0, t1 (saved) and the output; the output dies when backward starts;
+    # each backward adds its input's gradient and frees its own output's gradient and saves.
+    assert sim.timeline == (
+        ("fwd:n0", 10),
+        ("fwd:n1", 30),
+        ("fwd:n2", 60),
+        ("bwd:n2", 50),
+        ("bwd:n1", 40),
+        ("bwd:n0", 10),
+    )
+    assert (sim.peak_bytes, sim.peak_event, sim.recompute_flops) == (60, "fwd:n2", 0)
+
+
+def test_recompute_region():
+    sim = run([Region(0, 2)])
+    # t0 is saved only inside the region, so it dies after n1 in forward; the region's
+    # recomputation rebuilds t0 and t1 (t1 is discarded at once) before n1's backward.
+    assert sim.timeline == (
+        ("fwd:n0", 10),
+        ("fwd:n1", 30),
+        ("fwd:n2", 50),
+        ("bwd:n2", 40),
+        ("recompute:n0", 30),
+        ("recompute:n1", 50),
+        ("bwd:n1", 40),
+        ("bwd:n0", 10),
+    )
+    assert (sim.peak_bytes, sim.recompute_flops) == (50, FLOPS[0] + FLOPS[1])
+
+
+def test_nested_regions():
+    sim = run([Region(0, 3, depth=0), Region(0, 2, depth=1)])
+    # Nothing survives the forward; backward recomputes the outer region (keeping the inner
+    # one checkpointed), then the inner one again for n1's and n0's backward.
+    assert sim.timeline == (
+        ("fwd:n0", 10),
+        ("fwd:n1", 30),
+        ("fwd:n2", 50),
+        ("recompute:n0", 10),
+        ("recompute:n1", 30),
+        ("recompute:n2", 50),
+        ("bwd:n2", 40),
+        ("recompute:n0", 30),
+        ("recompute:n1", 50),
+        ("bwd:n1", 40),
+        ("bwd:n0", 10),
+    )
+    assert sim.peak_bytes == 50
+    assert sim.recompute_flops == sum(FLOPS) + FLOPS[0] + FLOPS[1]
+
+
+def test_selective_region_keeps_saved_nodes():
+    sim = run([Region(0, 2, kind="selective", saved_nodes=frozenset({0}))])
+    # t0 is kept (n0 is a saved node) until the region's backward ends; only n1 reruns.
+    assert sim.timeline == (
+        ("fwd:n0", 10),
+        ("fwd:n1", 30),
+        ("fwd:n2", 60),
+        ("bwd:n2", 50),
+        ("recompute:n1", 50),
+        ("bwd:n1", 40),
+        ("bwd:n0", 20),
+    )
+    assert (sim.peak_bytes, sim.recompute_flops) == (60, FLOPS[1])
+
+
+def test_offload_region_moves_saves_to_host():
+    graph = chain(offload_bytes_per_s=5.0)
+    sim = run([Region(0, 2, kind="offload")], graph)
+    # t0 leaves the device after n1's forward and comes back for n1's backward.
+    assert sim.timeline == (
+        ("fwd:n0", 10),
+        ("fwd:n1", 30),
+        ("fwd:n2", 50),
+        ("bwd:n2", 40),
+        ("bwd:n1", 40),
+        ("bwd:n0", 10),
+    )
+    assert (sim.peak_bytes, sim.recompute_flops, sim.offload_bytes) == (50, 0, 10)
+    assert sim.offload_time_s == pytest.approx(2 * 10 / 5.0)
+
+
+def test_observed_gradient_buffers_replace_per_storage_gradients():
+    nodes = chain().nodes
+    nodes = (nodes[0], Node(name="n1", inputs=(0,), fwd_flops=2, param_grad_bytes=5), nodes[2])
+    graph = CostGraph(nodes=nodes, tensors=chain().tensors, grad_buffers=(GradBuffer(25, 2, 0),))
+    assert gradient_bytes(graph) == ((0, 5, 25), (25, 0, 0))
+    sim = run([], graph)
+    assert sim.timeline[3:] == (("bwd:n2", 55), ("bwd:n1", 40), ("bwd:n0", 30))
+
+
+def test_per_storage_gradient_positions():
+    # t0's gradient appears at n1 (its last user) and dies at n0 (its producer).
+    assert gradient_bytes(chain()) == ((0, 10, 20), (10, 20, 0))
+
+
+def test_temporaries_add_to_their_event_only():
+    g = chain()
+    nodes = (
+        g.nodes[0],
+        Node(name="n1", inputs=(0,), fwd_temp_bytes=7, bwd_temp_bytes=100),
+        g.nodes[2],
+    )
+    sim = run([], CostGraph(nodes=nodes, tensors=g.tensors))
+    assert dict(sim.timeline)["fwd:n1"] == 37
+    assert (sim.peak_bytes, sim.peak_event) == (140, "bwd:n1")
+    assert sim.timeline[-1] == ("bwd:n0", 10)
+
+
+@pytest.mark.parametrize(
+    "regions",
+    [
+        [Region(0, 2), Region(1, 3)],  # overlap without nesting
+        [Region(0, 4)],  # outside the graph
+        [Region(1, 2), Region(1, 2)],  # twice
+    ],
+)
+def test_invalid_schedules_rejected(regions):
+    with pytest.raises(InvalidScheduleError):
+        run(regions)
