@@ -60,6 +60,7 @@ class Row:
     recompute_flops_pct: float = 0.0  # step FLOPs / eager step FLOPs - 1, in percent
     step_time_ratio: float = 1.0  # step time / eager step time
     note: str = ""
+    saved_bytes: int = 0  # kept for backward at the end of forward
 
 
 # --- the anchors: each turns a fresh GPT into the module to measure -------------------------
@@ -197,7 +198,16 @@ def compile_with_budget(
 
 
 def _row(name: str, m: Measurement, flops: int, setup_s: float, note: str = "") -> Row:
-    return Row(name, m.peak_bytes, flops, m.step_time_s, setup_s, m.method, note=note)
+    return Row(
+        name,
+        m.peak_bytes,
+        flops,
+        m.step_time_s,
+        setup_s,
+        m.method,
+        note=note,
+        saved_bytes=m.saved_bytes,
+    )
 
 
 def _relative(rows: list[Row], eager: Row) -> list[Row]:
@@ -263,14 +273,16 @@ def planner_rows(
         start_s = time.perf_counter()
         try:
             plan = planner.plan(model, x, mem_budget_gb=anchor.peak_bytes / 1e9, solver=solver)
-        except planner.InfeasibleBudgetError as e:
-            rows.append(Row(name, 0, 0, 0.0, time.perf_counter() - start_s, "-", note=str(e)))
-            log(f"{name}: infeasible")
+        except planner.PlannerError as e:  # infeasible budget, unsupported model: say so
+            note = f"{type(e).__name__}: {e}"
+            rows.append(Row(name, 0, 0, 0.0, time.perf_counter() - start_s, "-", note=note))
+            log(f"{name}: {note}")
             continue
         plan_s = time.perf_counter() - start_s
         flops = step_flops(plan.module, x)
         m = measure(plan.module, x, warmup=0, repeats=repeats)
-        rows.append(_row(name, m, flops, plan_s, note=f"solver {plan.solver}"))
+        note = f"solver {plan.solver}, predicted {plan.predicted_peak_bytes / MiB:.1f} MiB"
+        rows.append(_row(name, m, flops, plan_s, note=note))
         log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
     return _relative(rows, eager)
 
@@ -280,16 +292,17 @@ def planner_rows(
 
 def to_markdown(rows: list[Row]) -> str:
     lines = [
-        "| run | measured peak (MiB) | recompute FLOPs % | step time ratio "
-        "| plan/compile time (s) | measured by | note |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| run | measured peak (MiB) | saved for backward (MiB) | recompute FLOPs % "
+        "| step time ratio | plan/compile time (s) | measured by | note |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         if r.peak_bytes == 0 and r.method == "-":
-            lines.append(f"| {r.name} | — | — | — | {r.setup_time_s:.1f} | — | {r.note} |")
+            lines.append(f"| {r.name} | — | — | — | — | {r.setup_time_s:.1f} | — | {r.note} |")
             continue
         lines.append(
-            f"| {r.name} | {r.peak_bytes / MiB:.1f} | {r.recompute_flops_pct:+.1f} "
+            f"| {r.name} | {r.peak_bytes / MiB:.2f} | {r.saved_bytes / MiB:.2f} "
+            f"| {r.recompute_flops_pct:+.1f} "
             f"| {r.step_time_ratio:.2f} | {r.setup_time_s:.1f} | {r.method} | {r.note} |"
         )
     return "\n".join(lines)
@@ -316,7 +329,10 @@ def report(rows: list[Row], eager_step_s: float, title: str) -> str:
             f"{torch.get_num_threads()} threads), torch {torch.__version__}. Peak = bytes above "
             "the step's starting baseline (parameter gradients count); eager step "
             f"{eager_step_s:.2f} s. Recompute FLOPs: step FLOPs over eager's, FlopCounterMode "
-            "formulas (matmuls only: pointwise recompute is free by this count, not in time).",
+            "formulas (matmuls only: pointwise recompute is free by this count, not in time). "
+            "`activation_memory_budget` bounds the bytes saved for backward, not the step's "
+            "peak: inductor's backward graph may hold many recomputed tensors at once. Step "
+            "time ratios need a quiet machine; other jobs sharing the cores skew them.",
             "",
             to_markdown(rows),
         ]
@@ -338,6 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed steps per row (median)")
     args = parser.parse_args(argv)
 
+    if not args.no_planner:
+        from solvers.registry import get_solver
+
+        get_solver(args.solver)  # an unknown solver fails now, not after the anchors' minutes
     example = gpt_ref_small_example if args.small else gpt_ref_example
     budgets = () if args.no_compile else (0.5, 0.2)
     rows = anchor_rows(
@@ -347,10 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         repeats=args.repeats,
     )
     if not args.no_planner:
-        try:
-            rows += planner_rows(rows, example, solver=args.solver, repeats=args.repeats)
-        except (ImportError, AttributeError) as e:
-            print(f"planner rows skipped: {e}")
+        rows += planner_rows(rows, example, solver=args.solver, repeats=args.repeats)
     title = "GPT-ref-small vs the anchors" if args.small else "GPT-ref vs the anchors (CPU)"
     markdown = report(rows, rows[0].step_time_s, title)
     print(markdown)

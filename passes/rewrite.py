@@ -157,7 +157,6 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-
 class CheckpointRegion(nn.Module):
     """Runs ``body`` (a GraphModule of the region's nodes) under one checkpoint.
 

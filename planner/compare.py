@@ -93,8 +93,11 @@ class Comparison:
         header += ["recompute FLOPs", "solve time"]
         body = []
         for r in self.rows:
+            solver = r.solver
+            if r.note.startswith("chose "):  # 'auto' names the solver it picked
+                solver += f" ({r.note.removeprefix('chose ')})"
             if r.feasible:
-                cells = [r.solver, _mib(r.budget_bytes), "yes", _mib(r.predicted_peak_bytes)]
+                cells = [solver, _mib(r.budget_bytes), "yes", _mib(r.predicted_peak_bytes)]
                 if measured:
                     cells += [_mib(r.measured_peak_bytes), _ratio(r.step_time_ratio)]
                 cells += [f"+{r.recompute_flops_pct:.1f}%", f"{r.solve_time_s:.2f} s"]
@@ -104,7 +107,7 @@ class Comparison:
                     if r.least_feasible_bytes is not None
                     else f"no: {r.note}"
                 )
-                cells = [r.solver, _mib(r.budget_bytes), least, "-"]
+                cells = [solver, _mib(r.budget_bytes), least, "-"]
                 cells += ["-", "-"] if measured else []
                 cells += ["-", f"{r.solve_time_s:.2f} s"]
             body.append(cells)
@@ -148,7 +151,10 @@ class Comparison:
         from rich.console import Console
 
         out = io.StringIO()
-        Console(file=out, width=140, force_terminal=False, color_system=None).print(self)
+        # force_jupyter=False: in a notebook rich would display the table instead of returning it
+        Console(
+            file=out, width=140, force_terminal=False, force_jupyter=False, color_system=None
+        ).print(self)
         return out.getvalue()
 
     def plot(self, *, ax: Any = None) -> Figure:

@@ -71,5 +71,7 @@ def plan_summary(plan: Plan) -> str:
             f"{sum(graph.nodes[i].fwd_flops for i in range(span.start, span.stop)) / 1e9:,.2f} GF",
         )
     out = io.StringIO()
-    Console(file=out, width=120, force_terminal=False, color_system=None).print(table)
+    Console(
+        file=out, width=120, force_terminal=False, force_jupyter=False, color_system=None
+    ).print(table)
     return "\n".join(lines) + "\n" + out.getvalue()

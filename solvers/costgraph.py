@@ -50,7 +50,9 @@ class Tensor:
     the nodes whose backward needs it, so autograd keeps it alive until the earliest of those
     (in forward order) has run its backward. ``grad_bytes`` is the size of its gradient buffer
     in backward (0 when it does not require grad). ``is_output`` marks graph outputs, which
-    live until backward starts.
+    live until backward starts. ``held_to_end`` marks storages something outside autograd keeps
+    to the end of the step (autocast's cache of low-precision weight copies); recomputation
+    reuses them instead of allocating them again.
     """
 
     name: str
@@ -60,6 +62,7 @@ class Tensor:
     saved_by: tuple[int, ...] = ()
     grad_bytes: int = 0
     is_output: bool = False
+    held_to_end: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,31 @@
 """``dp``: a Rotor-style dynamic programme over the linearised graph, exact for ``simulate``.
 
-The schedule space is every laminar family of recompute regions (nested to any depth) whose
-boundaries lie on candidate cuts. The programme walks a context (the whole step, or one region
-being recomputed) left to right. At a cut it knows
-
-- ``m``: the bytes still free under the budget once everything kept so far is counted;
-- the *crossing state*: each storage produced earlier in this context that a later node still
-  reads or saves, with a flag saying whether something already forces autograd (or a
-  checkpoint) to keep it until backward.
+The schedule space is every laminar family of recompute regions, nested to any depth. The
+programme walks a *context* (the whole step, or one region being recomputed) left to right.
+At a cut it knows the *crossing state* -- each storage produced earlier in the context that a
+later node still reads or saves, with a flag saying whether something already forces autograd
+or a checkpoint to keep it for backward -- and how many bytes everything kept so far takes.
 
 Every event of ``simulate`` then splits into bytes kept by what lies left of the cut (a prefix
-sum, folded into ``m``) plus bytes fixed by the next step alone: gradient buffers are the same
-for every schedule, a node's forward working set is the crossing storages plus its own, and a
-region's recomputation depends only on the region (the context it runs in holds fixed bytes
-while it runs). So a step is either "node ``c`` runs unchecked" or "nodes ``[c, j)`` form a
-region", the region's inside is the same programme one level down, and the value of a state is
-a non-increasing step function of ``m``.
+sum) plus bytes fixed by the next step alone: gradient buffers appear and free in reverse node
+order whatever the schedule, so they are a function of position; a node's forward working set
+is the crossing storages plus its own; and a region's recomputation and backward depend only on
+the region (the context it runs in holds fixed bytes meanwhile). So a step is "node ``c`` runs
+unchecked" or "nodes ``[c, j)`` form a region"; a region's inside is the same programme one
+level down, and a state's value is ``V[m]``: the least recompute time of the rest of its context
+using at most ``m`` bytes more than what is already kept.
 
-No table is indexed by memory: each state caches the answers it has computed as intervals
-``[bytes used, m asked]`` on which the optimal cost is constant (a schedule using ``u`` bytes
-that is optimal for ``m`` stays optimal for every budget in ``[u, m]``), plus the largest ``m``
-found infeasible. Work grows with the distinct answers, never with the budget's size.
+``V`` lives on a grid of at most ``grid`` steps up to the budget, so no table grows with the
+budget (a known tool dies with MemoryError on large budgets). Every byte count is rounded *up*
+to the grid step: the programme is exact for the rounded model, and its plans are feasible in
+the exact one. With a 1-byte step (small budgets, as in the tests) it is exact outright.
 
-The programme is exact when every tensor a node saves for backward is one it reads or produces
-(true of autograd); :func:`solve_dp` still replays its answer through ``simulate`` and tightens
-the budget if the two ever disagree.
+Inside regions a state is keyed by what it depends on rather than where it is (its suffix of
+nodes described relative to the context's end, hash-consed), so the repeated blocks of a
+transformer share their work.
+
+The programme assumes every tensor a node saves is one it reads or produces (true of autograd);
+:func:`solve_dp` replays its answer through ``simulate`` all the same.
 """
 
 from __future__ import annotations
@@ -34,26 +35,32 @@ import math
 import sys
 from dataclasses import dataclass
 
+import numpy as np
+
 from solvers.common import finish
 from solvers.costgraph import CostGraph, Region, Schedule
 from solvers.cuts import crossing_bytes
 from solvers.errors import InfeasibleBudgetError
 from solvers.registry import register
+from solvers.selective import out_bytes, worth_keeping
 from solvers.simulate import simulate
 
 INF = math.inf
-DEFAULT_SPAN = 32
-DEFAULT_COARSE = 48
+DEFAULT_SPAN = 8
+DEFAULT_COARSE = 24
+DEFAULT_GRID = 2048
 
 
 @dataclass(frozen=True)
 class _Prices:
-    """Per-node and per-tensor numbers the programme reads, precomputed once."""
+    """Per-node and per-tensor numbers the programme reads, in grid units, computed once."""
 
     n: int
+    unit_bytes: int
     size: tuple[int, ...]
     producer: tuple[int, ...]
-    needers: tuple[tuple[int, ...], ...]  # sorted forward readers and savers of each tensor
+    needers: tuple[tuple[int, ...], ...]  # sorted forward readers and savers after the producer
+    savers: tuple[tuple[int, ...], ...]
     is_output: tuple[bool, ...]
     produced: tuple[tuple[int, ...], ...]
     saves: tuple[frozenset[int], ...]  # tensors each node saves for backward
@@ -62,20 +69,33 @@ class _Prices:
     fwd_temp: tuple[int, ...]
     bwd_temp: tuple[int, ...]
     grad_at_bwd: tuple[int, ...]  # gradient + parameter-gradient bytes at node i's backward
-    grad_after: tuple[int, ...]  # the same once node i's backward is done (index n: 0)
+    grad_after: tuple[int, ...]  # the same once node i's backward is done (index n: none done)
+    held_fwd: tuple[int, ...]  # bytes held to the end of the step, alive at node i's forward
+    keepable: tuple[bool, ...]  # outputs a selective region would keep (solvers/selective.py)
 
 
-def prices(graph: CostGraph) -> _Prices:
+def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
     n = len(graph.nodes)
     produced: list[list[int]] = [[] for _ in range(n)]
     saves: list[set[int]] = [set() for _ in range(n)]
     used: list[set[int]] = [set() for _ in range(n)]
+    # Storages held to the end of the step (autocast's weight copies) are alive from their
+    # producer on and never recomputed: a function of position, like the gradient buffers.
+    held_from = [0] * n
     for t_i, t in enumerate(graph.tensors):
+        if getattr(t, "held_to_end", False):
+            held_from[t.producer] += t.size_bytes
+            continue
         produced[t.producer].append(t_i)
         for s in t.saved_by:
             saves[s].add(t_i)
+    for t_i, t in enumerate(graph.tensors):
         for u in t.users:
             used[u].add(t_i)
+    held_prefix, total = [], 0
+    for b in held_from:
+        total += b
+        held_prefix.append(total)
     # Gradient buffers follow reverse node order whatever the schedule, so they are a
     # function of position only (the same bookkeeping as simulate's backward).
     grad_at, grad_after = [0] * n, [0] * (n + 1)
@@ -93,120 +113,89 @@ def prices(graph: CostGraph) -> _Prices:
             if t_i in grads:
                 live -= graph.tensors[t_i].grad_bytes
         grad_after[i] = live
+    out = out_bytes(graph)
     times = [graph.node_time_s(i) for i in range(n)]
     prefix = [0.0]
     for t_s in times:
         prefix.append(prefix[-1] + t_s)
+
+    def units(x: int) -> int:  # round up: the rounded model never under-counts
+        return -(-x // unit_bytes)
+
     return _Prices(
         n=n,
-        size=tuple(t.size_bytes for t in graph.tensors),
+        unit_bytes=unit_bytes,
+        size=tuple(units(t.size_bytes) for t in graph.tensors),
         producer=tuple(t.producer for t in graph.tensors),
         needers=tuple(
             tuple(sorted({u for u in (*t.users, *t.saved_by) if u > t.producer}))
             for t in graph.tensors
         ),
+        savers=tuple(tuple(t.saved_by) for t in graph.tensors),
         is_output=tuple(t.is_output for t in graph.tensors),
         produced=tuple(tuple(p) for p in produced),
         saves=tuple(frozenset(s) for s in saves),
         time_s=tuple(times),
         prefix_time_s=tuple(prefix),
-        fwd_temp=tuple(nd.fwd_temp_bytes for nd in graph.nodes),
-        bwd_temp=tuple(nd.bwd_temp_bytes for nd in graph.nodes),
-        grad_at_bwd=tuple(grad_at),
-        grad_after=tuple(grad_after),
+        fwd_temp=tuple(units(nd.fwd_temp_bytes) for nd in graph.nodes),
+        bwd_temp=tuple(units(nd.bwd_temp_bytes) for nd in graph.nodes),
+        grad_at_bwd=tuple(units(g + total) for g in grad_at),
+        grad_after=tuple(units(g + total) for g in grad_after),
+        held_fwd=tuple(units(h) for h in held_prefix),
+        keepable=tuple(worth_keeping(graph, i, out) for i in range(n)),
     )
 
 
-# A front is a list of (bytes used, recompute time, how) sorted by bytes ascending with time
-# strictly descending: the schedules of a state that no other beats on both counts.
-# ``how`` rebuilds the schedule: None (nothing left), ("run", next cut, entry) or
-# ("region", start, stop, inner entry, rest entry).
-_END = [(-INF, 0.0, None)]
-
-
-def _shift(front: list, delta: float, floor: float, cap: float, how) -> list:
-    """Each entry's bytes become max(floor, bytes + delta); entries over ``cap`` drop."""
-    out: list = []
-    for used, cost, h in front:
-        u = max(floor, used + delta)
-        if u > cap:
-            break
-        if out and out[-1][0] == u:
-            out[-1] = (u, cost, how(h))  # cost only falls along a front
-        else:
-            out.append((u, cost, how(h)))
-    return out
-
-
-def _combine(a: list, da: float, b: list, db: float, floor: float, extra: float, cap: float,
-             how) -> list:
-    """Schedules made of one entry of ``a`` and one of ``b``: bytes max(floor, a + da, b + db),
-    time a + b + extra. Each threshold's best pair is the cheapest of each side under it."""
-    out: list = []
-    ia = ib = 0
-    na, nb = len(a), len(b)
-    while ia < na and ib < nb:
-        ua, ub = a[ia][0] + da, b[ib][0] + db
-        v = max(ua, ub)
-        # advance both sides to the last entries within v (cheaper and still under v)
-        while ia + 1 < na and a[ia + 1][0] + da <= v:
-            ia += 1
-        while ib + 1 < nb and b[ib + 1][0] + db <= v:
-            ib += 1
-        u = max(floor, v)
-        if u > cap:
-            break
-        cost = a[ia][1] + b[ib][1] + extra
-        if out and out[-1][0] == u:
-            if cost < out[-1][1]:
-                out[-1] = (u, cost, how(a[ia][2], b[ib][2]))
-        elif not out or cost < out[-1][1]:
-            out.append((u, cost, how(a[ia][2], b[ib][2])))
-        # next threshold: the smaller of the two next breakpoints
-        na_next = a[ia + 1][0] + da if ia + 1 < na else INF
-        nb_next = b[ib + 1][0] + db if ib + 1 < nb else INF
-        if na_next == INF and nb_next == INF:
-            break
-        if na_next <= nb_next:
-            ia += 1
-        else:
-            ib += 1
-    return out
-
-
-def _pareto(entries: list) -> list:
-    out: list = []
-    for e in sorted(entries, key=lambda e: (e[0], e[1])):
-        if not out or e[1] < out[-1][1]:
-            if out and out[-1][0] == e[0]:
-                continue
-            out.append(e)
-    return out
+def _shifted(v: np.ndarray, k: int) -> np.ndarray:
+    """``w[m] = v[m - k]`` (INF where m - k < 0; v[-1] where m - k is past the end)."""
+    size = len(v)
+    if k <= 0:
+        return np.concatenate((v[-k:], np.full(min(-k, size), v[-1])))[:size]
+    if k >= size:
+        return np.full(size, INF)
+    return np.concatenate((np.full(k, INF), v[: size - k]))
 
 
 class _Programme:
-    """The memoised recursion. A state is (c, b, crossing, root, whole_ok):
+    """The memoised recursion. A state is (c, b, crossing, root, whole_ok, depth):
 
-    candidate cut ``c`` inside a context ending at cut ``b`` (``root``: the whole step, else a
-    region being recomputed); ``crossing`` is a tuple of (tensor, kept) pairs; ``whole_ok`` is
-    False only at the start of a region context, where a child equal to the region is pointless.
-    Its value is the state's front, with bytes relative to what is kept left of ``c``.
+    cut ``c`` inside a context ending at ``b`` (``root``: the whole step, else a region being
+    recomputed); ``crossing`` is a sorted tuple of (tensor, kept) pairs; ``whole_ok`` is False
+    only at the start of a region context, where a child equal to the region is pointless.
+    Inside a region, bytes are counted relative to the gradient bytes live while it is
+    recomputed, which is what lets equal blocks share states.
     """
 
     def __init__(
-        self, p: _Prices, coarse: list[int], max_span: int, max_depth: int | None, cap: float
+        self, p: _Prices, coarse: list[int], max_span: int, max_depth: int | None, grid: int
     ) -> None:
         self.p = p
-        self.coarse = sorted(set(coarse) | {0, p.n})
+        # Region boundaries only after nodes that allocate: a cut after a view is the same cut
+        # as the one before it, and skipping it leaves fewer states.
+        self.bounds = [c for c in range(p.n + 1) if c in (0, p.n) or p.produced[c - 1]]
+        self.is_bound = [False] * (p.n + 1)
+        for c in self.bounds:
+            self.is_bound[c] = True
+        self.next_bound = [p.n] * (p.n + 1)
+        for c in range(p.n - 1, -1, -1):
+            self.next_bound[c] = c + 1 if self.is_bound[c + 1] else self.next_bound[c + 1]
+        coarse = {max(b for b in self.bounds if b <= c) for c in coarse}
+        self.coarse = sorted(coarse | {0, p.n})
         self.is_coarse = [False] * (p.n + 1)
         for c in self.coarse:
             self.is_coarse[c] = True
         self.max_span = max_span
         self.max_depth = max_depth
-        self.cap = cap
-        self.memo: dict[tuple, list] = {}
+        self.selective = True
+        self.size = grid + 1  # V[m] for m = 0..grid units
+        # key -> (V, node it was computed at, options, best option per m)
+        self.memo: dict[tuple, tuple[np.ndarray, int, list, np.ndarray]] = {}
+        self._suffix: dict[tuple[int, int], int] = {}
+        self._interned: dict[tuple, int] = {}
         self._last: dict[tuple[int, int, bool], int] = {}
-        self._wmax: dict[tuple[int, int, bool], list[float]] = {}
+        self._wmax: dict[tuple[int, int, bool], list[int]] = {}
+        self._end = np.zeros(self.size)
+        self._keys: dict[tuple, tuple] = {}
 
     # -- static pieces ---------------------------------------------------------------------
     def last_need(self, t: int, b: int, root: bool) -> int:
@@ -228,7 +217,7 @@ class _Programme:
         k = bisect.bisect_left(ns, c)
         return k < len(ns) and ns[k] < j
 
-    def fwd_peaks(self, c: int, b: int, root: bool) -> list[float]:
+    def fwd_peaks(self, c: int, b: int, root: bool) -> list[int]:
         """Running max over i in [c, b) of the bytes produced from c on and alive at i's forward
         (plus i's working set), with the context ending at ``b``."""
         key = (c, b, root)
@@ -236,65 +225,213 @@ class _Programme:
         if got is None:
             p = self.p
             ends: dict[int, int] = {}
-            alive, best, got = 0, -INF, []
+            alive, best, got = 0, 0, []
             for i in range(c, b):
                 for t in p.produced[i]:
                     alive += p.size[t]
                     end = self.last_need(t, b, root)
                     ends[end] = ends.get(end, 0) + p.size[t]
-                best = max(best, alive + p.fwd_temp[i])
+                best = max(best, alive + p.fwd_temp[i] + (p.held_fwd[i] if root else 0))
                 got.append(best)
                 alive -= ends.pop(i, 0)
             self._wmax[key] = got
         return got
 
-    # -- the recursion -----------------------------------------------------------------------
-    def run(self, c: int, stop: int, b: int, crossing: tuple, root: bool):
-        """Nodes [c, stop) unchecked: (bytes used, bytes kept after, crossing at ``stop``)."""
-        p = self.p
-        grad_rec = 0 if root else p.grad_after[b]
-        used, kept_bytes = -INF, 0
-        for i in range(c, stop):
-            own, saves = p.produced[i], p.saves[i]
-            fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own)
-            fwd += p.fwd_temp[i] + grad_rec
-            bwd = p.grad_at_bwd[i] + p.bwd_temp[i]
-            bwd += sum(p.size[t] for t, kept in crossing if kept or t in saves)
-            bwd += sum(p.size[t] for t in own if t in saves)
-            used = max(used, kept_bytes + fwd, kept_bytes + bwd)
-            nxt = []
-            for t, kept in crossing:
-                kept = kept or t in saves
-                if self.last_need(t, b, root) == i:
-                    kept_bytes += p.size[t] if kept else 0
-                else:
-                    nxt.append((t, kept))
-            for t in own:
-                if self.last_need(t, b, root) == i:
-                    kept_bytes += p.size[t] if t in saves else 0
-                else:
-                    nxt.append((t, t in saves))
-            crossing = tuple(sorted(nxt))
-        return used, kept_bytes, crossing
+    def base(self, b: int, root: bool) -> int:
+        """Gradient bytes live while a region ending at ``b`` is recomputed (0 at the root)."""
+        return 0 if root else self.p.grad_after[b]
 
-    def front(self, c: int, b: int, crossing: tuple, root: bool, whole_ok: bool,
-              depth: int) -> list:
+    def selective_option(self, c, j, b, crossing, best, choice, options):
+        """Nodes [c, j) as a selective region at the root: the outputs of ``keepable`` nodes
+        that the region saves are cached from the first forward (held until the region's
+        backward ends) and those nodes are not recomputed; everything else is."""
+        p, root = self.p, True
+        keep = [i for i in range(c, j) if p.keepable[i]]
+        if not keep:
+            return best
+        keep_set = set(keep)
+        cached = [t for i in keep for t in p.produced[i] if any(c <= s < j for s in p.savers[t])]
+        cached_set = set(cached)
+        # The first forward through [c, j): cached outputs stay alive past their last use.
+        cross_bytes = sum(p.size[t] for t, _ in crossing)
+        alive, fwd, ends = 0, 0, {}
+        for i in range(c, j):
+            for t in p.produced[i]:
+                alive += p.size[t]
+                if t not in cached_set:
+                    end = self.last_need(t, b, root)
+                    ends[end] = ends.get(end, 0) + p.size[t]
+            fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i])
+            alive -= ends.pop(i, 0)
+        # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
+        saved_in = {
+            t: [s for s in p.savers[t] if c <= s < j] for i in range(c, j) for t in p.produced[i]
+        }
+        # kept nodes are skipped in recomputation, so they do not read anything there
+        last_in = {
+            t: max([p.producer[t], *[u for u in p.needers[t] if u < j and u not in keep_set]])
+            for t in saved_in
+        }
+        own = [t for i in range(c, j) if i not in keep_set for t in p.produced[i]]
+        live, inner, ends = 0, 0, {}
+        for i in range(c, j):
+            if i in keep_set:
+                continue
+            for t in p.produced[i]:
+                live += p.size[t]
+                if not saved_in[t]:
+                    ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
+            inner = max(inner, live + p.fwd_temp[i])
+            live -= ends.pop(i, 0)
+        for i in range(c, j):
+            held_here = sum(
+                p.size[t] for t in own if p.producer[t] <= i and any(s <= i for s in saved_in[t])
+            )
+            inner = max(inner, p.grad_at_bwd[i] - p.grad_after[j] + p.bwd_temp[i] + held_here)
+        held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
+        held += sum(p.size[t] for t in cached)
+        kept_bytes, nxt = 0, []
+        for t, kept in crossing:
+            if self.last_need(t, b, root) < j:
+                kept_bytes += p.size[t]
+            else:
+                nxt.append((t, kept or self.needed_in(t, c, j)))
+        for i in range(c, j):
+            for t in p.produced[i]:
+                if self.last_need(t, b, root) >= j:
+                    nxt.append((t, t in cached_set))
+                elif t in cached_set:
+                    kept_bytes += p.size[t]  # cached until the region's backward ends
+        nxt = tuple(sorted(nxt))
+        rest = self.value(j, b, nxt, root, True, 0)
+        if rest[-1] == INF:
+            return best
+        cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
+        need = max(fwd, held + p.grad_after[j] + inner)
+        v = _shifted(rest, kept_bytes) + cost
+        v[: max(need, 0)] = INF
+        better = v < best
+        if better.any():
+            options.append(
+                ("selective", c, j, tuple(keep), self.key(j, b, nxt, root, True, 0), kept_bytes)
+            )
+            choice[better] = len(options) - 1
+            best = np.where(better, v, best)
+        return best
+
+    def region_ends(self, c: int, b: int) -> list[int]:
+        """Ends j of regions starting at c: any within ``max_span`` nodes, and the coarse cuts
+        beyond when c is one (long regions only between cheap cuts)."""
+        k = bisect.bisect_right(self.bounds, c)
+        ends = [j for j in self.bounds[k : k + self.max_span] if j <= b]
+        if self.is_coarse[c] and ends:
+            k = bisect.bisect_right(self.coarse, ends[-1])
+            ends += [j for j in self.coarse[k:] if j <= b]
+        return ends
+
+    # -- state keys --------------------------------------------------------------------------
+    def _tensor_sig(self, t: int, b: int) -> tuple:
+        p = self.p
+        return (
+            p.size[t],
+            tuple(u - b for u in p.needers[t] if u < b),
+            tuple(sorted(s - b for s in p.savers[t] if s < b)),
+        )
+
+    def suffix_id(self, c: int, b: int) -> int:
+        """Interned description of nodes [c, b) relative to ``b`` and to its gradient base."""
+        got = self._suffix.get((c, b))
+        if got is None:
+            p = self.p
+            if c == b:
+                desc: tuple = ("end", self.is_coarse[b])
+            else:
+                base = p.grad_after[b]
+                desc = (
+                    p.fwd_temp[c],
+                    p.bwd_temp[c],
+                    p.time_s[c],
+                    p.grad_at_bwd[c] - base,
+                    p.grad_after[c] - base,
+                    self.is_coarse[c],
+                    tuple(self._tensor_sig(t, b) for t in p.produced[c]),
+                    self.suffix_id(c + 1, b),
+                )
+            got = self._interned.setdefault(desc, len(self._interned))
+            self._suffix[(c, b)] = got
+        return got
+
+    def key(self, c, b, crossing, root, whole_ok, depth):
         if c == b:
-            return _END
-        key = (c, b, crossing, root, whole_ok, depth if self.max_depth is not None else 0)
+            return None
+        d = depth if self.max_depth is not None else 0
+        where = (c, b, crossing, root, whole_ok, d)
+        got = self._keys.get(where)
+        if got is None:
+            got = self._keys[where] = self._key(c, b, crossing, root, whole_ok, d)
+        return got
+
+    def _key(self, c, b, crossing, root, whole_ok, d):
+        if root:
+            return ("root", c, crossing, d)
+        if b - c > 400:  # keep the hash-consing recursion shallow on very long contexts
+            return ("at", c, b, crossing, whole_ok, d)
+        cross = tuple((self._tensor_sig(t, b), kept) for t, kept in crossing)
+        return (self.suffix_id(c, b), cross, whole_ok, d)
+
+    # -- the recursion -----------------------------------------------------------------------
+    def step(self, i: int, b: int, crossing: tuple, root: bool):
+        """Node i unchecked: (bytes its events need, bytes it leaves kept, crossing after)."""
+        p = self.p
+        own, saves = p.produced[i], p.saves[i]
+        fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
+        fwd += p.held_fwd[i] if root else 0
+        bwd = p.grad_at_bwd[i] - self.base(b, root) + p.bwd_temp[i]
+        bwd += sum(p.size[t] for t, kept in crossing if kept or t in saves)
+        bwd += sum(p.size[t] for t in own if t in saves)
+        kept_bytes, nxt = 0, []
+        for t, kept in crossing:
+            kept = kept or t in saves
+            if self.last_need(t, b, root) == i:
+                kept_bytes += p.size[t] if kept else 0
+            else:
+                nxt.append((t, kept))
+        for t in own:
+            if self.last_need(t, b, root) == i:
+                kept_bytes += p.size[t] if t in saves else 0
+            else:
+                nxt.append((t, t in saves))
+        return max(fwd, bwd), kept_bytes, tuple(sorted(nxt))
+
+    def value(
+        self, c: int, b: int, crossing: tuple, root: bool, whole_ok: bool, depth: int
+    ) -> np.ndarray:
+        """``V[m]``: least recompute time from cut c to the context's end within m units."""
+        key = self.key(c, b, crossing, root, whole_ok, depth)
+        if key is None:
+            return self._end
         got = self.memo.get(key)
         if got is not None:
-            return got
-        p, cap = self.p, self.cap
+            return got[0]
+        p, size = self.p, self.size
         options: list = []
-        # Node c runs unchecked in this context.
-        used, kept_bytes, nxt = self.run(c, c + 1, b, crossing, root)
-        if used <= cap:
-            rest = self.front(c + 1, b, nxt, root, True, depth)
-            options += _shift(rest, kept_bytes, used, cap, lambda h, s=c + 1: ("run", s, h))
+        # Nodes up to the next boundary run unchecked in this context.
+        stop = min(self.next_bound[c], b)
+        need, kept_bytes, nxt = self.step(c, b, crossing, root)
+        for i in range(c + 1, stop):
+            more, kept_more, nxt = self.step(i, b, nxt, root)
+            need = max(need, kept_bytes + more)
+            kept_bytes += kept_more
+        best = np.full(size, INF)
+        if need < size:
+            rest = self.value(stop, b, nxt, root, True, depth)
+            best = _shifted(rest, kept_bytes)
+            best[:need] = INF
+            options.append(("run", stop, self.key(stop, b, nxt, root, True, depth), kept_bytes))
+        choice = np.zeros(size, np.int32)
         # Nodes [c, j) form a region, for each allowed end j.
         if self.max_depth is None or depth < self.max_depth:
-            grad_rec = 0 if root else p.grad_after[b]
+            base = self.base(b, root)
             cross_bytes = sum(p.size[t] for t, _ in crossing)
             peaks = self.fwd_peaks(c, b, root)
             surviving: list[int] = []  # produced in [c, j), still needed at j or later
@@ -302,16 +439,18 @@ class _Programme:
             for j in self.region_ends(c, b):
                 if j == b and not whole_ok:
                     break
-                fwd = cross_bytes + peaks[j - 1 - c] + grad_rec
-                if fwd > cap:
+                fwd = cross_bytes + peaks[j - 1 - c]
+                if fwd >= size:
                     break  # the forward working set only grows with j
                 for i in range(last, j):
                     surviving += p.produced[i]
                 last = j
                 surviving = [t for t in surviving if self.last_need(t, b, root) >= j]
+                if root and self.selective and self.is_coarse[c] and self.is_coarse[j]:
+                    best = self.selective_option(c, j, b, crossing, best, choice, options)
                 held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-                inner = self.front(c, j, (), False, False, depth + 1)
-                if not inner:
+                inner = self.value(c, j, (), False, False, depth + 1)
+                if inner[-1] == INF:
                     continue
                 kept_bytes, nxt = 0, [(t, False) for t in surviving]
                 for t, kept in crossing:
@@ -319,75 +458,134 @@ class _Programme:
                         kept_bytes += p.size[t]  # read inside the region: kept as its input
                     else:
                         nxt.append((t, kept or self.needed_in(t, c, j)))
-                rest = self.front(j, b, tuple(sorted(nxt)), root, True, depth)
-                extra = p.prefix_time_s[j] - p.prefix_time_s[c]
-                options += _combine(
-                    inner, held, rest, kept_bytes, fwd, extra, cap,
-                    lambda hi, hr, c=c, j=j: ("region", c, j, hi, hr),
-                )
-        result = _pareto(options)
-        self.memo[key] = result
-        return result
+                nxt = tuple(sorted(nxt))
+                rest = self.value(j, b, nxt, root, True, depth)
+                if rest[-1] == INF:
+                    continue
+                inner_shift = held + p.grad_after[j] - base
+                v = _shifted(inner, inner_shift) + _shifted(rest, kept_bytes)
+                v += p.prefix_time_s[j] - p.prefix_time_s[c]
+                v[:fwd] = INF
+                better = v < best
+                if better.any():
+                    options.append(
+                        (
+                            "region",
+                            c,
+                            j,
+                            self.key(c, j, (), False, False, depth + 1),
+                            inner_shift,
+                            self.key(j, b, nxt, root, True, depth),
+                            kept_bytes,
+                        )
+                    )
+                    choice[better] = len(options) - 1
+                    best = np.where(better, v, best)
+        self.memo[key] = (best, c, options, choice)
+        return best
 
-    def region_ends(self, c: int, b: int) -> list[int]:
-        """Ends j of regions starting at c: any within ``max_span`` nodes, and the coarse cuts
-        beyond when c is one (long regions only between cheap cuts)."""
-        ends = list(range(c + 1, min(b, c + self.max_span) + 1))
-        if self.is_coarse[c]:
-            k = bisect.bisect_right(self.coarse, c + self.max_span)
-            ends += [j for j in self.coarse[k:] if j <= b]
-        return ends
-
-    def regions(self, how, depth: int = 0) -> list[Region]:
-        """Rebuild the regions an entry's ``how`` describes."""
+    def regions(self, key, m: int, at: int, depth: int = 0) -> list[Region]:
+        """Rebuild the regions of state ``key`` within ``m`` units, the state being at node
+        ``at`` (its value may have been computed elsewhere: shift by the difference)."""
         out: list[Region] = []
-        while how is not None:
-            if how[0] == "run":
-                how = how[2]
+        while key is not None:
+            _, computed_at, options, choice = self.memo[key]
+            offset = at - computed_at
+            option = options[choice[m]]
+            if option[0] == "run":
+                _, nxt_at, key, kept_bytes = option
+                at, m = nxt_at + offset, m - kept_bytes
+            elif option[0] == "selective":
+                _, c, j, keep, key, kept_bytes = option
+                saved = frozenset(i + offset for i in keep)
+                out.append(Region(c + offset, j + offset, depth, "selective", saved))
+                at, m = j + offset, m - kept_bytes
             else:
-                _, c, j, inner, rest = how
-                out.append(Region(c, j, depth=depth))
-                out += self.regions(inner, depth + 1)
-                how = rest
+                _, c, j, inner, inner_shift, rest, kept_bytes = option
+                out.append(Region(c + offset, j + offset, depth=depth))
+                if inner is not None:
+                    inner_m = min(m - inner_shift, self.size - 1)
+                    out += self.regions(inner, inner_m, c + offset, depth + 1)
+                key, m, at = rest, m - kept_bytes, j + offset
         return out
 
 
-def pareto_front(
-    graph: CostGraph,
-    cap_bytes: float | None = None,
-    max_span: int | None = DEFAULT_SPAN,
-    coarse_cuts: int = DEFAULT_COARSE,
-    max_depth: int | None = None,
-) -> list[tuple[int, float, Schedule]]:
-    """Every (peak bytes, recompute time, schedule) that no other schedule of the space beats
-    on both, up to ``cap_bytes`` (default: the eager peak): one solve serves every budget."""
-    p = prices(graph)
-    cap = simulate(graph, Schedule()).peak_bytes if cap_bytes is None else cap_bytes
-    span = p.n if max_span is None else max_span
-    prog = _Programme(p, coarse_cut_points(graph, coarse_cuts), span, max_depth, cap)
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
-    try:
-        front = prog.front(0, p.n, (), True, True, 0)
-    finally:
-        sys.setrecursionlimit(limit)
-    return [
-        (int(used), cost, Schedule(tuple(prog.regions(how)), "dp", 0.0))
-        for used, cost, how in front
-    ]
-
-
-def coarse_cut_points(graph: CostGraph, count: int) -> list[int]:
-    """The ``count`` cheapest cuts (fewest crossing bytes): where long regions may begin and end."""
+def coarse_cut_points(graph: CostGraph, count: int | None) -> list[int]:
+    """The ``count`` cheapest cuts (fewest crossing bytes): where long regions may begin and end.
+    None: one per 8 nodes, at most DEFAULT_COARSE (about two per transformer block)."""
     n = len(graph.nodes)
+    if count is None:
+        count = min(DEFAULT_COARSE, max(2, n // 8))
     crossing = crossing_bytes(graph)
     inner = sorted(range(1, n), key=lambda c: (crossing[c], c))[: max(0, count)]
     return sorted({0, n, *inner})
 
 
+@dataclass(frozen=True)
+class Solved:
+    """One run of the programme up to ``cap_bytes``: ask it for any budget up to that."""
+
+    graph: CostGraph
+    programme: _Programme
+    root_value: np.ndarray
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.programme.p.unit_bytes
+
+    def least_bytes(self) -> int | None:
+        """Least budget (rounded up to the grid) any schedule of the space fits, or None."""
+        finite = np.flatnonzero(self.root_value < INF)
+        return None if not len(finite) else int(finite[0]) * self.unit_bytes
+
+    def schedule(self, budget_bytes: float) -> Schedule | None:
+        """The least-recompute schedule within ``budget_bytes``, or None if none fits."""
+        m = min(int(budget_bytes // self.unit_bytes), len(self.root_value) - 1)
+        if m < 0 or self.root_value[m] == INF:
+            return None
+        prog = self.programme
+        regions = prog.regions(prog.key(0, prog.p.n, (), True, True, 0), m, 0)
+        return Schedule(tuple(regions), "dp")
+
+
+def solve_all(
+    graph: CostGraph,
+    cap_bytes: float,
+    max_span: int | None = DEFAULT_SPAN,
+    coarse_cuts: int | None = None,
+    max_depth: int | None = None,
+    grid: int = DEFAULT_GRID,
+    selective: bool = True,
+) -> Solved:
+    """Run the programme once for every budget up to ``cap_bytes``. ``selective`` also offers
+    selective regions (kept matmul outputs) between coarse cuts at the top level."""
+    unit = max(1, math.ceil(cap_bytes / grid))
+    p = prices(graph, unit)
+    span = p.n if max_span is None else max_span
+    prog = _Programme(
+        p, coarse_cut_points(graph, coarse_cuts), span, max_depth, int(cap_bytes // unit)
+    )
+    prog.selective = selective
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
+    try:
+        root = prog.value(0, p.n, (), True, True, 0)
+    finally:
+        sys.setrecursionlimit(limit)
+    return Solved(graph, prog, root)
+
+
+def least_memory_schedule(graph: CostGraph, **opts) -> tuple[int, Schedule]:
+    """The programme's least-memory schedule and its peak by ``simulate``."""
+    eager = simulate(graph, Schedule()).peak_bytes
+    solved = solve_all(graph, eager, **opts)
+    schedule = solved.schedule(solved.least_bytes())
+    return simulate(graph, schedule).peak_bytes, schedule
+
+
 def least_peak(graph: CostGraph, **opts) -> int:
-    """The least peak any schedule of the programme's space reaches."""
-    return pareto_front(graph, None, **opts)[0][0]
+    """The least peak (by ``simulate``) of the programme's least-memory schedule."""
+    return least_memory_schedule(graph, **opts)[0]
 
 
 @register("dp")
@@ -395,26 +593,46 @@ def solve_dp(
     graph: CostGraph,
     budget_bytes: float,
     max_span: int | None = DEFAULT_SPAN,
-    coarse_cuts: int = DEFAULT_COARSE,
+    coarse_cuts: int | None = None,
     max_depth: int | None = None,
+    grid: int = DEFAULT_GRID,
     **opts,
 ) -> Schedule:
     """Least recompute time within the budget over nested regions.
 
     A region may span up to ``max_span`` nodes from any cut, or run between two of the
     ``coarse_cuts`` cheapest cuts; with ``max_span=None`` (or a graph no longer than it) every
-    interval is allowed and the answer is the optimum under ``simulate``. ``max_depth`` caps
-    the nesting (None: any depth).
+    interval is allowed. ``grid`` bounds the memory steps (bytes are rounded up to
+    budget / grid; exact when that is 1). ``max_depth`` caps the nesting (None: any depth).
     """
     eager = simulate(graph, Schedule()).peak_bytes
-    cap = min(float(budget_bytes), eager)
-    opts = dict(max_span=max_span, coarse_cuts=coarse_cuts, max_depth=max_depth)
-    front = pareto_front(graph, cap, **opts)
-    exact = max_span is None or len(graph.nodes) <= max_span
-    note = "every interval" if exact else f"spans <= {max_span} nodes or {coarse_cuts} coarse cuts"
+    if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
+        return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
+    kw = dict(max_span=max_span, coarse_cuts=coarse_cuts, max_depth=max_depth, grid=grid)
+    every = max_span is None or len(graph.nodes) <= max_span
+    note = "every interval" if every else f"spans <= {max_span} boundaries or coarse cuts"
     if max_depth is not None:
         note += f", depth <= {max_depth}"
-    if not front:
-        raise InfeasibleBudgetError(budget_bytes, least_peak(graph, **opts), "(solver 'dp')")
-    _, _, schedule = min(front, key=lambda e: (e[1], e[0]))
+    for selective in (True, False):
+        solved = solve_all(graph, min(float(budget_bytes), eager), selective=selective, **kw)
+        schedule = solved.schedule(budget_bytes)
+        exact = every and solved.unit_bytes == 1
+        if schedule is None:
+            # Rounding bytes up can miss a budget right at the least peak; that schedule,
+            # found on the eager-peak grid, still settles it.
+            least, schedule = least_memory_schedule(graph, selective=selective, **kw)
+            if least > budget_bytes:
+                if selective:
+                    continue
+                raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
+            note += ", least-memory schedule"
+            exact = exact and least == budget_bytes
+        if not any(r.kind == "selective" for r in schedule.regions):
+            break
+        if simulate(graph, schedule).peak_bytes <= budget_bytes:
+            break
+        # simulate prices selective recomputation above this model: answer without it
+        note += ", no selective regions (simulate disagrees)"
+    if solved.unit_bytes > 1:
+        note += f", bytes rounded up to {solved.unit_bytes}"
     return finish(graph, budget_bytes, schedule.regions, "dp", note, gap=0.0 if exact else None)

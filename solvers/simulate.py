@@ -14,6 +14,8 @@ It follows what PyTorch does at run time with non-reentrant ``torch.utils.checkp
 - selective regions keep the outputs of their ``saved_nodes`` and recompute only the rest;
   offload regions keep what they save in host memory and bring each storage back when the
   backward that needs it runs.
+- storages ``held_to_end`` (autocast's weight copies) live from their first forward to the end
+  of the step; recomputation reuses them.
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
@@ -177,6 +179,10 @@ class _Replay:
         """Allocate storage ``t_i`` with one hold per reason it must stay alive."""
         t = self.g.tensors[t_i]
         key = (ctx, t_i)
+        if t.held_to_end:
+            if ctx is not ROOT:
+                return  # the first forward's copy is still alive and is reused
+            self._hold(key, t.size_bytes, 1)  # never released: lives to the end of the step
         fwd_users = sum(1 for u in set(t.users) if start <= u < stop and u > t.producer)
         self._hold(key, t.size_bytes, 1 + fwd_users)  # released by producer and each user
         if ctx is ROOT and t.is_output:

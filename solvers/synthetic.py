@@ -76,7 +76,9 @@ class GraphBuilder:
         )
         return name
 
-    def build(self, outputs: tuple[str, ...] = (), **rates) -> CostGraph:
+    def build(
+        self, outputs: tuple[str, ...] = (), held_to_end: tuple[str, ...] = (), **rates
+    ) -> CostGraph:
         tensors = tuple(
             Tensor(
                 t["name"],
@@ -86,6 +88,7 @@ class GraphBuilder:
                 tuple(t["saved_by"]),
                 t["grad_bytes"],
                 t["name"] in outputs,
+                held_to_end=t["name"] in held_to_end,
             )
             for t in self.tensors
         )
@@ -317,8 +320,10 @@ def random_chain(rng: random.Random, n: int, max_bytes: int = 64) -> CostGraph:
 
 
 def random_dag(rng: random.Random, n: int, max_bytes: int = 64, skip_p: float = 0.3) -> CostGraph:
-    """A chain plus random skip edges: node i also reads some earlier outputs (skips)."""
+    """A chain plus random skip edges: node i also reads some earlier outputs (skips); some
+    nodes also allocate a storage held to the end of the step (like autocast's weight copies)."""
     g = GraphBuilder()
+    held: list[str] = []
     for i in range(n):
         reads: tuple[str, ...] = ()
         if i:
@@ -335,5 +340,10 @@ def random_dag(rng: random.Random, n: int, max_bytes: int = 64, skip_p: float = 
             param_grad_bytes=rng.choice((0, 0, rng.randint(1, 8))),
             fwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
             bwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
+            extra={f"h{i}": rng.randint(1, 16)} if rng.random() < 0.2 else None,
         )
-    return g.build(outputs=(f"n{n - 1}",), flops_per_s=1.0, bytes_per_s=1e9)
+        if f"h{i}" in g.by_name:
+            held.append(f"h{i}")
+    return g.build(
+        outputs=(f"n{n - 1}",), held_to_end=tuple(held), flops_per_s=1.0, bytes_per_s=1e9
+    )

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tiny configs only; a download wo
 
 
 def gpt2_example(seed: int = 0, use_cache: bool = False):
-    """Hugging Face GPT-2 (2 layers, d 32): dict input, loss from ``.loss``, tied embeddings.
+    """Hugging Face GPT-2 (4 layers, d 64): dict input, loss from ``.loss``, tied embeddings.
 
     ``use_cache=True`` is what a user gets from ``GPT2Config()`` by default: the model then
     returns a ``DynamicCache`` alongside the loss.
@@ -28,11 +28,14 @@ def gpt2_example(seed: int = 0, use_cache: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
+    # A vocabulary smaller than the width and a batch of 8 x 64 tokens, so the blocks (which
+    # checkpointing can shrink) hold most of the step's memory, not the parameter gradients,
+    # the logits and the loss (which it cannot).
     cfg = GPT2Config(
-        vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=use_cache
+        vocab_size=32, n_positions=64, n_embd=64, n_layer=4, n_head=2, use_cache=use_cache
     )
     model = GPT2LMHeadModel(cfg).train()
-    ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    ids = torch.randint(0, cfg.vocab_size, (8, 64))
     return model, {"input_ids": ids, "labels": ids}
 
 
@@ -58,26 +61,26 @@ def llama_example(seed: int = 0):
 
 
 def bert_example(seed: int = 0):
-    """Hugging Face BERT masked LM (2 layers, d 32): attention mask, token types, dropout."""
+    """Hugging Face BERT masked LM (2 layers, d 64): attention mask, token types, dropout."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
     cfg = BertConfig(
-        vocab_size=128,
-        hidden_size=32,
+        vocab_size=32,
+        hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
-        intermediate_size=64,
+        intermediate_size=128,
         max_position_embeddings=64,
     )
     model = BertForMaskedLM(cfg).train()
-    ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    ids = torch.randint(0, cfg.vocab_size, (8, 64))
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def small_unet_example(seed: int = 0):
-    """benchmarks' U-Net (long encoder->decoder skips, BatchNorm), 2 levels, 16x16 images."""
-    return unet_example(batch=2, size=16, seed=seed, channels=4, depth=2)
+    """benchmarks' U-Net (long encoder->decoder skips, BatchNorm), 2 levels, 32x32 images."""
+    return unet_example(batch=2, size=32, seed=seed, channels=4, depth=2)
 
 
 class MHABlock(nn.Module):
@@ -129,7 +132,7 @@ class InplaceBlock(nn.Module):
 class InplaceNet(nn.Module):
     """In-place activations (``nn.ReLU(inplace=True)``, ``F.relu_``) and ``x += ...``."""
 
-    def __init__(self, d: int = 64, n_layer: int = 4) -> None:
+    def __init__(self, d: int = 32, n_layer: int = 6) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(InplaceBlock(d) for _ in range(n_layer))
         self.head = nn.Linear(d, 1)
@@ -142,7 +145,7 @@ class InplaceNet(nn.Module):
 
 def inplace_example(seed: int = 0):
     torch.manual_seed(seed)
-    return InplaceNet(), torch.randn(64, 64)
+    return InplaceNet(), torch.randn(256, 32)
 
 
 class TaggedNet(nn.Module):
@@ -161,7 +164,7 @@ class TaggedNet(nn.Module):
 
 def tagged_example(seed: int = 0):
     torch.manual_seed(seed)
-    return TaggedNet(), torch.randn(64, 64)
+    return TaggedNet(), torch.randn(256, 64)
 
 
 class DataDependentNet(nn.Module):

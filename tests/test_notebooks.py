@@ -6,6 +6,7 @@ budget), so a notebook that runs is one whose claims hold.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -41,7 +42,10 @@ def test_notebook_runs_top_to_bottom(path):
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
     )
-    client.execute()  # raises CellExecutionError, with the failing cell and traceback
+    # One intra-op thread: the models are tiny, and on a loaded 2-core runner two threads per
+    # process spin against each other (a 60 ms step took 3 s in our measurements).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    client.execute(env=env)  # raises CellExecutionError, with the failing cell and traceback
     errors = [
         out
         for cell in book.cells

@@ -124,3 +124,95 @@ def test_every_block_checkpoint_matches_measurement():
     measured = measure(model, x).peak_bytes
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
     assert predicted < simulate(graph, Schedule()).peak_bytes
+
+
+def test_autocast_sizes_follow_real_dtypes():
+    model, x = gpt_ref_small_example()
+    captured = capture(model, x)
+    fp32 = simulate(estimate(captured.module, captured.args), Schedule()).peak_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = estimate(captured.module, captured.args)
+        # warmup=0: warmup steps inside one autocast context would fill its weight-cast cache,
+        # and the measured step would then not count the bf16 weight copies a real step makes.
+        measured = measure(model, x, warmup=0).peak_bytes
+    predicted = simulate(graph, Schedule()).peak_bytes
+    assert predicted < fp32
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    made_by_qkv = [t for t in graph.tensors if graph.nodes[t.producer].name == "linear"]
+    # bf16 throughout: the output (batch 2 x seq 32 x 3*64), the cast of its input, and the
+    # copies of weight and bias that autocast caches to the end of the step.
+    assert sorted((t.size_bytes, t.held_to_end) for t in made_by_qkv) == [
+        (192 * 2, True),
+        (2 * 32 * 64 * 2, False),
+        (2 * 32 * 192 * 2, False),
+        (192 * 64 * 2, True),
+    ]
+
+
+def test_meta_device_model_priced_like_the_real_one():
+    from benchmarks.plan_7b import LlamaConfig, llama_example
+
+    cfg = LlamaConfig(n_layer=2, d_model=64, n_head=4, d_ff=172, vocab_size=128, seq_len=32)
+    meta_model, meta_x = llama_example(cfg, device="meta")
+    assert all(p.device.type == "meta" for p in meta_model.parameters())
+    _, on_meta = _estimate(meta_model, meta_x)
+    cpu_model, cpu_x = llama_example(cfg, device="cpu")
+    _, on_cpu = _estimate(cpu_model, cpu_x)
+    assert [t.size_bytes for t in on_meta.tensors] == [t.size_bytes for t in on_cpu.tensors]
+    predicted = simulate(on_meta, Schedule()).peak_bytes
+    measured = measure(cpu_model, cpu_x).peak_bytes
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    attention = [n for n in on_meta.nodes if "attention" in n.tags]
+    assert {n.op for n in attention} >= {"matmul", "masked_fill", "softmax"}
+
+
+def test_attention_skip_and_other_tags():
+    model, x = gpt_ref_small_example()
+    _, graph = _estimate(model, x)
+    tagged = {tag: {n.op for n in graph.nodes if tag in n.tags} for tag in ("attention", "skip")}
+    # Scores, scale, mask, softmax and attention dropout are S x S; the MLP is not.
+    assert {"matmul", "mul", "masked_fill", "softmax", "dropout"} <= tagged["attention"]
+    assert not {"gelu", "linear", "layer_norm"} & tagged["attention"]
+    # The residual stream: the embedding dropout and each residual add feed a far consumer.
+    assert {"dropout", "add"} <= tagged["skip"]
+    assert "random" in next(n for n in graph.nodes if n.op == "dropout").tags
+
+    cnn, image = residual_cnn_example(batch=2, size=8, n_blocks=2)
+    _, graph = _estimate(cnn, image)
+    assert not any("attention" in n.tags for n in graph.nodes)  # square feature maps are not
+    assert all("batchnorm" in n.tags for n in graph.nodes if n.op == "batch_norm")
+    assert all("inplace" in n.tags for n in graph.nodes if n.op == "add_")
+    assert any("skip" in n.tags and n.op == "relu" for n in graph.nodes)  # ResBlock input
+
+
+@pytest.mark.parametrize("backend", [None, "math"])
+def test_sdpa_backend_priced_as_run(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.models import GPTConfig, gpt_example
+
+    cfg = GPTConfig(n_layer=1, d_model=64, n_head=2, seq_len=128, vocab_size=128, attention="sdpa")
+    model, x = gpt_example(cfg, batch=2)
+    model.eval()  # no dropout: the CPU flash kernel applies
+    kernels = [SDPBackend.MATH] if backend == "math" else [SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(kernels):
+        _, graph = _estimate(model, x)
+        measured = measure(model, x).peak_bytes
+    assert graph.meta["sdpa_backend"] == (backend or "flash")
+    predicted = simulate(graph, Schedule()).peak_bytes
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert any("attention" in n.tags for n in graph.nodes if "attention" in n.op)
+
+
+def test_roofline_rates_calibrated_and_used():
+    from passes.estimate import device_rates
+
+    model, x = gpt_ref_small_example()
+    _, graph = _estimate(model, x)
+    assert (graph.flops_per_s, graph.bytes_per_s) == device_rates(torch.device("cpu"))
+    assert graph.flops_per_s > 1e8 and graph.bytes_per_s > 1e8
+    matmul = next(i for i, n in enumerate(graph.nodes) if n.op == "matmul")
+    softmax = next(i for i, n in enumerate(graph.nodes) if n.op == "softmax")
+    # FLOPs price the matmul; bytes moved price the softmax, which has no FLOPs to count.
+    assert graph.nodes[softmax].fwd_flops == 0 and graph.node_time_s(softmax) > 0
+    assert graph.node_time_s(matmul) >= graph.nodes[matmul].fwd_flops / graph.flops_per_s

@@ -23,7 +23,7 @@ GPT = "benchmarks.models:gpt_ref_small_example"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # tiny model
     return subprocess.run(
         [sys.executable, "-m", "planner", *args],
         cwd=ROOT,

@@ -194,6 +194,9 @@ def test_markdown_has_one_line_per_row_and_states_infeasibility():
     assert len(table) == 2 + len(c.rows)
     assert "measured peak" not in table[0]
     assert "| uniform | 100.0 MiB | no: least 150.0 MiB |" in c.to_markdown()
+    auto = Row("auto", MIB, True, MIB, None, 1.0, None, 0.1, note="chose dp")
+    with_auto = dataclasses.replace(c, rows=(auto,))
+    assert "| auto (dp) | 1.000 MiB | yes | 1.000 MiB |" in with_auto.to_markdown()
     measured = hand_comparison(measured=True).to_markdown()
     assert "measured peak" in measured and "1.20x" in measured
 

@@ -125,3 +125,29 @@ def test_fsdp2_gloo_two_processes(tmp_path):
     assert ours["grads"].keys() == single.keys()
     for name, g in single.items():
         torch.testing.assert_close(ours["grads"][name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_batchnorm_state_once_per_step():
+    """BatchNorm regions under torch.compile: dynamo runs them eagerly (their once-only state
+    update is a side effect it will not trace) and the running statistics stay exact."""
+    import copy
+
+    from benchmarks.models import residual_cnn_example
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, x = residual_cnn_example(batch=4, size=8, n_blocks=2, channels=8)
+    model = copy.deepcopy(ref)
+    gm = capture(model, x).module
+    calls = [n.name for n in gm.graph.nodes if n.op in CALL_OPS]
+    compiled = torch.compile(
+        rewrite(gm, [Region("ckpt_a", tuple(calls[:8])), Region("ckpt_b", tuple(calls[8:16]))]),
+        backend="aot_eager",
+    )
+    for module in (ref, compiled):
+        for s in range(3):
+            torch.manual_seed(s)
+            module(x).sum().backward()
+    assert model.stem[1].num_batches_tracked.item() == 3
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k

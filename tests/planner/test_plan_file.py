@@ -69,8 +69,10 @@ def test_not_a_plan_file_is_refused(saved, tmp_path):
 
 def test_plan_for_another_model_is_refused(saved):
     _, _, _, path = saved
-    other, other_input = gpt_example(GPT_REF_SMALL.__class__(n_layer=3, d_model=64, n_head=2,
-                                                             seq_len=32, vocab_size=128), batch=2)
+    other, other_input = gpt_example(
+        GPT_REF_SMALL.__class__(n_layer=3, d_model=64, n_head=2, seq_len=32, vocab_size=128),
+        batch=2,
+    )
     with pytest.raises(planner.PlanFileError, match="another model"):
         planner.apply_plan(other, path, other_input)
 

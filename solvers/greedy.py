@@ -1,0 +1,74 @@
+"""``greedy``: Chen et al. 2016's greedy budget variant.
+
+Walk the graph keeping a running count of the bytes each node would keep for backward; at the
+next seam (a cut where few bytes cross) past a threshold, close a segment and checkpoint it.
+The last segment is left alone (its backward follows its forward at once, so recomputing it buys
+nothing). The threshold is searched: every candidate is scored by ``simulate`` and the cheapest
+schedule within budget wins.
+"""
+
+from __future__ import annotations
+
+from solvers.common import finish
+from solvers.costgraph import CostGraph, Region, Schedule
+from solvers.cuts import crossing_bytes
+from solvers.errors import InfeasibleBudgetError
+from solvers.registry import register
+from solvers.simulate import simulate
+
+
+def seams(graph: CostGraph) -> list[int]:
+    """Cuts where the crossing bytes are a local minimum (ties included)."""
+    n = len(graph.nodes)
+    crossing = crossing_bytes(graph)
+    return [
+        c for c in range(1, n) if crossing[c] <= crossing[c - 1] and crossing[c] <= crossing[c + 1]
+    ] or list(range(1, n))
+
+
+def kept_bytes(graph: CostGraph) -> list[int]:
+    """Bytes each node's outputs hold for backward when it runs unchecked."""
+    kept = [0] * len(graph.nodes)
+    for t in graph.tensors:
+        if t.saved_by:
+            kept[t.producer] += t.size_bytes
+    return kept
+
+
+def segments(graph: CostGraph, threshold_bytes: float, cuts: list[int]) -> list[Region]:
+    kept = kept_bytes(graph)
+    is_cut = set(cuts)
+    regions, start, running = [], 0, 0
+    for i, b in enumerate(kept):
+        running += b
+        if running >= threshold_bytes and i + 1 in is_cut:
+            regions.append(Region(start, i + 1))
+            start, running = i + 1, 0
+    return regions  # the last segment [start, n) stays unchecked
+
+
+@register("greedy")
+def solve_greedy(graph: CostGraph, budget_bytes: float, n_thresholds: int = 48, **opts) -> Schedule:
+    """Cheapest within budget over thresholds spaced geometrically from the smallest node's
+    kept bytes to all of them."""
+    kept = [b for b in kept_bytes(graph) if b > 0] or [1]
+    lo, hi = min(kept), sum(kept)
+    cuts = seams(graph)
+    best: tuple[float, int, tuple[Region, ...]] | None = None
+    least = None
+    seen = set()
+    for k in range(n_thresholds + 1):
+        threshold = lo * (hi / lo) ** (k / n_thresholds)
+        regions = tuple(segments(graph, threshold, cuts))
+        if regions in seen:
+            continue
+        seen.add(regions)
+        sim = simulate(graph, Schedule(regions))
+        least = sim.peak_bytes if least is None else min(least, sim.peak_bytes)
+        if sim.peak_bytes <= budget_bytes:
+            key = (sim.recompute_time_s, sim.peak_bytes, regions)
+            if best is None or key[:2] < best[:2]:
+                best = key
+    if best is None:
+        raise InfeasibleBudgetError(budget_bytes, least, "(solver 'greedy')")
+    return finish(graph, budget_bytes, best[2], "greedy", f"{len(best[2])} segments")

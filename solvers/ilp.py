@@ -1,0 +1,336 @@
+"""``ilp``: a Checkmate-style MILP over the DAG, exact for ``simulate`` on non-nested regions.
+
+Checkmate (Jain et al. 2020) chooses what to keep and recompute with binary variables and a
+memory constraint per event. Here the choices are checkpoint regions: ``x[R]`` = 1 when the
+candidate interval ``R`` is a region (regions are disjoint; nesting is ``dp``'s business).
+Whether autograd keeps a storage ``t`` for backward is a disjunction of *reasons*, one per node
+that needs it: a saver ``s`` outside the producer's region (``1 - same(p, s)``) or a reader in
+another region (``in(u) - same(p, u)``), where ``same`` and ``in`` are sums of ``x``. A
+continuous ``g[t, q]`` >= each of the first ``q`` reasons says "kept by then"; memory only
+pushes it down, so it equals the disjunction at an optimum. With ``fin[k]``, the bytes of
+storages whose last use is before node ``k`` that stay kept, every event of ``simulate`` is one
+sparse row:
+
+- forward of node i:            live(i) + fin[i] <= budget
+- backward of unchecked node i: grads(i) + fin[i+1] + crossing kept by i <= budget (off when i
+  is in a region: big-M on ``in(i)``)
+- region R (its recomputation and backward): fin[R.stop] + crossing kept by R.stop + K_R
+  <= budget (off unless ``x[R]``), where K_R, the region's own working set, is a constant.
+
+Backends: ``scipy.optimize.milp`` (HiGHS, default) and pulp (CBC). A time limit stops the
+search; the gap is reported in Schedule.gap, and on a timeout without a solution ``dp`` answers.
+On large graphs the candidates are the intervals ``dp`` uses (short spans plus coarse cuts).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from solvers.common import finish
+from solvers.costgraph import CostGraph, Region, Schedule
+from solvers.dp import DEFAULT_SPAN, coarse_cut_points, prices
+from solvers.errors import InfeasibleBudgetError
+from solvers.registry import register
+from solvers.simulate import simulate
+
+FULL_NODES = 40  # up to this many nodes every interval is a candidate
+
+
+@dataclass
+class Model:
+    """A MILP in rows: minimise c.x subject to lo <= A x <= hi, x in [lb, ub], some integer."""
+
+    cost: list[float] = field(default_factory=list)
+    lb: list[float] = field(default_factory=list)
+    ub: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    rows: list[dict[int, float]] = field(default_factory=list)
+    row_lo: list[float] = field(default_factory=list)
+    row_hi: list[float] = field(default_factory=list)
+
+    def var(self, cost: float = 0.0, lb: float = 0.0, ub: float = 1.0, integer: bool = False):
+        self.cost.append(cost)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, coef: dict[int, float], lo: float = -np.inf, hi: float = np.inf) -> None:
+        self.rows.append(coef)
+        self.row_lo.append(lo)
+        self.row_hi.append(hi)
+
+
+def candidates(graph: CostGraph, max_span: int | None, coarse_cuts: int | None) -> list[Region]:
+    n = len(graph.nodes)
+    if max_span is None or n <= FULL_NODES:
+        return [Region(a, b) for a in range(n) for b in range(a + 1, n + 1)]
+    pairs = {(a, b) for a in range(n) for b in range(a + 1, min(n, a + max_span) + 1)}
+    coarse = coarse_cut_points(graph, coarse_cuts)
+    pairs |= {(a, b) for k, a in enumerate(coarse) for b in coarse[k + 1 :]}
+    return [Region(a, b) for a, b in sorted(pairs)]
+
+
+def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
+    """The MILP for ``budget_bytes`` over candidate ``regions``; returns (model, x indices)."""
+    p = prices(graph)
+    n = p.n
+    mdl = Model()
+    x = [mdl.var(p.prefix_time_s[r.stop] - p.prefix_time_s[r.start], integer=True) for r in regions]
+    covering: list[list[int]] = [[] for _ in range(n)]  # candidates containing node i
+    for k, r in enumerate(regions):
+        for i in range(r.start, r.stop):
+            covering[i].append(k)
+    for i in range(n):
+        if len(covering[i]) > 1:
+            mdl.row({k: 1.0 for k in covering[i]}, hi=1.0)
+
+    def same(a: int, b: int) -> list[int]:  # candidates containing nodes a <= b
+        return [k for k in covering[a] if regions[k].stop > b]
+
+    # Reasons and the "kept by then" variables g[t][q].
+    n_t = len(p.size)
+    points: list[list[int]] = [[] for _ in range(n_t)]  # positions of t's reasons, sorted
+    g: list[list[int]] = [[] for _ in range(n_t)]
+    last = [0] * n_t
+    for t in range(n_t):
+        if not p.size[t] or t not in p.produced[p.producer[t]]:
+            continue  # empty, or held to the end of the step (priced with the gradients)
+        prod = p.producer[t]
+        savers = set(p.savers[t])
+        reasons = sorted({*savers, *p.needers[t]})
+        last[t] = max([prod, *p.needers[t]])
+        for pos in reasons:
+            v = mdl.var()
+            if g[t]:
+                mdl.row({v: 1.0, g[t][-1]: -1.0}, lo=0.0)
+            if pos in savers:  # g >= 1 - same(prod, pos)
+                coef = {v: 1.0}
+                for k in same(prod, pos):
+                    coef[k] = coef.get(k, 0.0) + 1.0
+                mdl.row(coef, lo=1.0)
+            else:  # a reader: g >= in(pos) - same(prod, pos)
+                coef = {v: 1.0}
+                for k in covering[pos]:
+                    coef[k] = coef.get(k, 0.0) - 1.0
+                for k in same(prod, pos):
+                    coef[k] = coef.get(k, 0.0) + 1.0
+                coef = {k: c for k, c in coef.items() if c}
+                mdl.row(coef, lo=0.0)
+            points[t].append(pos)
+            g[t].append(v)
+
+    def kept_by(t: int, k: int) -> int | None:
+        """g variable for "t has a reason before node k" (None: no reason point yet)."""
+        q = np.searchsorted(points[t], k, side="left")
+        return g[t][q - 1] if q else None
+
+    # fin[k]: kept bytes of storages whose last use is before node k.
+    fin = [mdl.var(ub=np.inf) for _ in range(n + 1)]
+    mdl.row({fin[0]: 1.0}, lo=0.0, hi=0.0)
+    ending: list[list[int]] = [[] for _ in range(n)]
+    for t in range(n_t):
+        if g[t]:
+            ending[last[t]].append(t)
+    for k in range(n):
+        coef = {fin[k + 1]: 1.0, fin[k]: -1.0}
+        for t in ending[k]:
+            coef[g[t][-1]] = coef.get(g[t][-1], 0.0) - p.size[t]
+        mdl.row(coef, lo=0.0, hi=0.0)
+    fin_max = [0] * (n + 1)  # fin[k] when everything is kept
+    for k in range(n):
+        fin_max[k + 1] = fin_max[k] + sum(p.size[t] for t in ending[k])
+
+    # Forward events (the first forward; regions do not change it but for what they keep).
+    alive = [0] * (n + 1)
+    for t in range(n_t):
+        if t in p.produced[p.producer[t]]:
+            end = n if p.is_output[t] else last[t]
+            alive[p.producer[t]] += p.size[t]
+            alive[end + 1 if end < n else n] -= p.size[t]
+    running = 0
+    for i in range(n):
+        running += alive[i]
+        coef = {fin[i]: 1.0}
+        for t in range(n_t):  # outputs are already counted as alive to the end of forward
+            if p.is_output[t] and g[t] and last[t] < i:
+                coef[g[t][-1]] = coef.get(g[t][-1], 0.0) - p.size[t]
+        mdl.row(coef, hi=budget_bytes - running - p.fwd_temp[i] - p.held_fwd[i])
+
+    # Storages that cross node k (made before it, needed from it on) and may still be kept.
+    crossing: list[list[int]] = [[] for _ in range(n + 1)]
+    for t in range(n_t):
+        if g[t]:
+            for k in range(p.producer[t] + 1, last[t] + 1):
+                crossing[k].append(t)
+
+    # Backward of an unchecked node i.
+    for i in range(n):
+        const = p.grad_at_bwd[i] + p.bwd_temp[i]
+        coef = {fin[i + 1]: 1.0}
+        for t in crossing[i + 1]:
+            v = kept_by(t, i + 1)
+            if v is not None:
+                coef[v] = coef.get(v, 0.0) + p.size[t]
+        # The row's largest possible left side, so big-M is no bigger than it must be (a loose
+        # big-M makes the LP relaxation, and so branch and bound, weak).
+        most = fin_max[i + 1] + sum(p.size[t] for t in crossing[i + 1])
+        big_m = max(0.0, most - (budget_bytes - const))
+        if big_m == 0.0:
+            continue  # never binding
+        for k in covering[i]:
+            coef[k] = coef.get(k, 0.0) - big_m
+        mdl.row(coef, hi=budget_bytes - const)
+
+    # Each candidate region: what the step keeps meanwhile plus its own working set.
+    for k, r in enumerate(regions):
+        own = own_working_set(p, r)
+        coef = {fin[r.stop]: 1.0}
+        for t in crossing[r.stop]:
+            if p.producer[t] < r.start:
+                v = kept_by(t, r.stop)
+                if v is not None:
+                    coef[v] = coef.get(v, 0.0) + p.size[t]
+        most = fin_max[r.stop] + sum(c for v, c in coef.items() if v != fin[r.stop])
+        if own > budget_bytes:
+            mdl.ub[k] = 0.0  # cannot fit whatever else is kept
+            continue
+        big_m = max(0.0, most - (budget_bytes - own))
+        if big_m > 0.0:
+            coef[k] = big_m
+            mdl.row(coef, hi=budget_bytes - own + big_m)
+    return mdl, x
+
+
+def own_working_set(p, r: Region) -> int:
+    """Peak of a region's recomputation and backward, above what the step keeps meanwhile."""
+    a, b = r.start, r.stop
+    inside = [t for i in range(a, b) for t in p.produced[i]]
+    last_in = {t: max([p.producer[t], *[u for u in p.needers[t] if u < b]]) for t in inside}
+    saved_in = {t: [s for s in p.savers[t] if a <= s < b] for t in inside}
+    fwd_peak, live = 0, 0
+    ends: dict[int, int] = {}
+    for i in range(a, b):
+        for t in p.produced[i]:
+            live += p.size[t]
+            if not saved_in[t]:  # else saved inside: it stays for the region's backward
+                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
+        fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
+        live -= ends.pop(i, 0)
+    bwd_peak = 0
+    for i in range(a, b):
+        held = sum(
+            p.size[t] for t in inside if p.producer[t] <= i and any(s <= i for s in saved_in[t])
+        )
+        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
+    return max(bwd_peak, p.grad_after[b] + fwd_peak)
+
+
+@dataclass(frozen=True)
+class Result:
+    chosen: list[int]
+    optimal: bool
+    gap: float | None
+    seconds: float
+
+
+def solve_highs(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | None:
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import csr_array
+
+    data, cols, ptr = [], [], [0]
+    for row in mdl.rows:
+        cols += list(row)
+        data += list(row.values())
+        ptr.append(len(cols))
+    a = csr_array((data, cols, ptr), shape=(len(mdl.rows), len(mdl.cost)))
+    start = time.perf_counter()
+    res = milp(
+        np.array(mdl.cost),
+        integrality=np.array(mdl.integer, dtype=int),
+        bounds=(np.array(mdl.lb), np.array(mdl.ub)),
+        constraints=LinearConstraint(a, np.array(mdl.row_lo), np.array(mdl.row_hi)),
+        options={"time_limit": time_limit_s, "mip_rel_gap": rel_gap, "disp": False},
+    )
+    seconds = time.perf_counter() - start
+    if res.x is None:
+        return None
+    chosen = [k for k, v in enumerate(res.x) if mdl.integer[k] and v > 0.5]
+    gap = getattr(res, "mip_gap", None)
+    return Result(chosen, res.status == 0, None if gap is None else float(gap), seconds)
+
+
+def solve_cbc(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | None:
+    import pulp
+
+    prob = pulp.LpProblem("checkpoint", pulp.LpMinimize)
+    vs = [
+        pulp.LpVariable(
+            f"v{k}",
+            lowBound=lb if np.isfinite(lb) else None,
+            upBound=ub if np.isfinite(ub) else None,
+            cat=pulp.LpBinary if integer else pulp.LpContinuous,
+        )
+        for k, (lb, ub, integer) in enumerate(zip(mdl.lb, mdl.ub, mdl.integer))
+    ]
+    prob += pulp.lpSum(c * vs[k] for k, c in enumerate(mdl.cost) if c)
+    for row, lo, hi in zip(mdl.rows, mdl.row_lo, mdl.row_hi):
+        expr = pulp.lpSum(c * vs[k] for k, c in row.items())
+        if lo == hi:
+            prob += expr == lo
+        else:
+            if np.isfinite(lo):
+                prob += expr >= lo
+            if np.isfinite(hi):
+                prob += expr <= hi
+    start = time.perf_counter()
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=rel_gap))
+    seconds = time.perf_counter() - start
+    if pulp.LpStatus[status] not in ("Optimal", "Not Solved") or vs[0].varValue is None:
+        return None
+    chosen = [k for k, v in enumerate(vs) if mdl.integer[k] and (v.varValue or 0) > 0.5]
+    optimal = pulp.LpStatus[status] == "Optimal"
+    return Result(chosen, optimal, 0.0 if optimal else None, seconds)
+
+
+@register("ilp")
+def solve_ilp(
+    graph: CostGraph,
+    budget_bytes: float,
+    backend: str = "highs",
+    time_limit_s: float = 10.0,
+    rel_gap: float = 0.01,
+    max_span: int | None = DEFAULT_SPAN,
+    coarse_cuts: int | None = None,
+    **opts,
+) -> Schedule:
+    """Least recompute time within budget over disjoint regions, by MILP.
+
+    ``backend``: "highs" (scipy.optimize.milp) or "cbc" (pulp). Stops at ``rel_gap`` or
+    ``time_limit_s``; falls back to ``dp`` (depth 1) when no solution is found in time.
+    """
+    eager = simulate(graph, Schedule()).peak_bytes
+    if eager <= budget_bytes:
+        return finish(graph, budget_bytes, [], "ilp", "the eager step fits", gap=0.0)
+    regions = candidates(graph, max_span, coarse_cuts)
+    mdl, x = build(graph, budget_bytes, regions)
+    solver = {"highs": solve_highs, "cbc": solve_cbc}[backend]
+    res = solver(mdl, time_limit_s, rel_gap)
+    if res is None:
+        from solvers.dp import least_peak, solve_dp
+
+        kw = dict(max_span=max_span, coarse_cuts=coarse_cuts, max_depth=1)
+        least = least_peak(graph, **kw)
+        if least > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, least, "(solver 'ilp', non-nested regions)")
+        fallback = solve_dp(graph, budget_bytes, **kw)
+        note = f"{backend}: no solution in {time_limit_s:.0f} s; dp (depth 1) answered"
+        return finish(graph, budget_bytes, fallback.regions, "dp", note)
+    chosen = [regions[k] for k in res.chosen if k < len(x)]
+    note = f"{backend}, {len(regions)} candidates, {res.seconds:.2f} s"
+    if not res.optimal:
+        note += f", stopped at the time limit ({time_limit_s:.0f} s)"
+    return finish(graph, budget_bytes, chosen, "ilp", note, gap=0.0 if res.optimal else res.gap)

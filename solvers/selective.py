@@ -1,0 +1,74 @@
+"""``selective``: keep the expensive outputs, recompute the cheap and the quadratic ones.
+
+Megatron-style (Korthikanti et al. 2022): inside each block's region the outputs of matmuls and
+convolutions with weights are kept, and everything else -- attention scores, softmax, dropout,
+normalisation, pointwise ops -- is recomputed in backward. Runs as an op-level policy
+(``torch.utils.checkpoint.create_selective_checkpoint_contexts``) inside one region per block.
+"""
+
+from __future__ import annotations
+
+from solvers.common import finish
+from solvers.costgraph import CostGraph, Node, Region, Schedule
+from solvers.cuts import block_spans, even_cuts
+from solvers.registry import register
+
+# Ops whose outputs are worth keeping: weight matmuls and convolutions (op names are
+# "aten.<name>.<overload>"; the estimator may also add tags).
+_WEIGHT_OPS = ("linear", "addmm", "mm", "convolution", "conv1d", "conv2d", "conv3d", "_conv")
+_PAIR_OPS = (
+    "matmul",
+    "bmm",
+    "baddbmm",
+    "einsum",
+    "scaled_dot_product",
+    "flash_attention",
+    "efficient_attention",
+)
+_CHEAP_TAGS = frozenset({"attention", "random", "view", "inplace", "batchnorm"})
+
+
+def _op_name(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def out_bytes(graph: CostGraph) -> list[int]:
+    out = [0] * len(graph.nodes)
+    for t in graph.tensors:
+        out[t.producer] += t.size_bytes
+    return out
+
+
+def worth_keeping(graph: CostGraph, i: int, produced: list[int]) -> bool:
+    """A weight matmul or convolution, or an activation matmul that does not blow up the size
+    (attention's q @ k^T is S x S: recomputed; att @ v is not: kept)."""
+    node: Node = graph.nodes[i]
+    name = _op_name(node.op)
+    if "attention" in node.tags and not any(p in name for p in _PAIR_OPS[4:]):
+        return False
+    if name in _WEIGHT_OPS or name.startswith("_conv") or "conv" in name:
+        return True
+    if any(p in name for p in _PAIR_OPS):
+        read = sum(produced[j] for j in node.inputs)
+        return produced[i] <= max(read, 1)
+    return False
+
+
+@register("selective")
+def solve_selective(
+    graph: CostGraph, budget_bytes: float, n_segments: int | None = None, **opts
+) -> Schedule:
+    """One selective region per block (or per cheap-cut segment when there are no blocks)."""
+    spans = block_spans(graph)
+    if spans and n_segments is None:
+        bounds = [spans[0][0]] + [stop for _, stop in spans]
+    else:
+        bounds = even_cuts(graph, n_segments or 4)
+    produced = out_bytes(graph)
+    regions = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        keep = frozenset(i for i in range(lo, hi) if worth_keeping(graph, i, produced))
+        regions.append(Region(lo, hi, kind="selective", saved_nodes=keep))
+    n_kept = sum(len(r.saved_nodes) for r in regions)
+    return finish(graph, budget_bytes, regions, "selective", f"{n_kept} matmul outputs kept")

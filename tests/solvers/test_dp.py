@@ -1,0 +1,131 @@
+"""dp against brute force: the least recompute time within budget, on random chains and DAGs."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solvers.brute import score_all
+from solvers.costgraph import Schedule
+from solvers.dp import least_peak, solve_all, solve_dp
+from solvers.errors import InfeasibleBudgetError
+from solvers.simulate import simulate
+from solvers.synthetic import GraphBuilder, gpt_like_graph, random_chain, random_dag
+
+
+def _check_optimal(graph, budgets, max_depth=None):
+    """dp's recompute time equals brute force's at each budget, and it is infeasible exactly
+    when brute force is, naming the same least budget."""
+    scored = score_all(graph, max_depth)
+    for budget in budgets:
+        want = scored.best(budget)
+        try:
+            got = solve_dp(graph, budget, max_span=None, max_depth=max_depth)
+        except InfeasibleBudgetError as e:
+            assert want is None, f"dp found nothing, brute force found {want[1].regions}"
+            assert e.min_bytes == scored.least_bytes
+            continue
+        assert want is not None, got.regions
+        sim = simulate(graph, got)
+        assert sim.peak_bytes <= budget
+        assert sim.recompute_time_s == pytest.approx(want[0], abs=1e-9), (got.regions, want[1])
+        assert got.gap == 0.0
+
+
+def _budgets(graph, rng):
+    """Just below and at the least feasible budget, one between it and eager, and eager."""
+    eager = simulate(graph, Schedule()).peak_bytes
+    return [rng.randint(0, eager), eager]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 4))
+def test_dp_is_optimal_on_random_chains(seed, n):
+    rng = random.Random(seed)
+    graph = random_chain(rng, n)
+    least = score_all(graph).least_bytes
+    _check_optimal(graph, [least - 1, least, *_budgets(graph, rng)])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 4))
+def test_dp_is_optimal_on_random_dags(seed, n):
+    rng = random.Random(seed)
+    graph = random_dag(rng, n)
+    least = score_all(graph).least_bytes
+    _check_optimal(graph, [least - 1, least, *_budgets(graph, rng)])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(5, 7))
+def test_dp_is_optimal_on_longer_chains_without_nesting(seed, n):
+    rng = random.Random(seed)
+    graph = random_chain(rng, n)
+    _check_optimal(graph, _budgets(graph, rng) + [rng.randint(0, 200)], max_depth=1)
+
+
+def test_dp_nests_when_nesting_is_what_fits():
+    """A chain of equal layers where only nested regions reach the least budget."""
+    g = GraphBuilder()
+    prev = None
+    for i in range(6):
+        reads = (prev,) if prev else ()
+        g.add(f"n{i}", reads=reads, saves=reads, out_bytes=10, fwd_flops=1)
+        prev = f"n{i}"
+    graph = g.build(outputs=(prev,), flops_per_s=1.0)
+    eager = simulate(graph, Schedule()).peak_bytes
+    flat = solve_all(graph, eager, max_span=None, max_depth=1)
+    nested = solve_all(graph, eager, max_span=None)
+    assert nested.least_bytes() < flat.least_bytes()
+    s = nested.schedule(nested.least_bytes())
+    assert max(r.depth for r in s.regions) >= 1
+    assert simulate(graph, s).peak_bytes == nested.least_bytes()
+
+
+def test_dp_reports_the_least_feasible_budget():
+    graph = gpt_like_graph(n_layer=2, d_model=64, seq_len=64, batch=2, vocab=128)
+    least = least_peak(graph, coarse_cuts=4)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve_dp(graph, least * 0.9, coarse_cuts=4)
+    assert e.value.min_bytes == least
+    assert simulate(graph, solve_dp(graph, least, coarse_cuts=4)).peak_bytes <= least
+
+
+def test_dp_beats_every_block_on_a_gpt_like_graph():
+    graph = gpt_like_graph(n_layer=4, d_model=64, seq_len=128, batch=2, vocab=128)
+    eager = simulate(graph, Schedule()).peak_bytes
+    from solvers.registry import get_solver
+
+    block = simulate(graph, get_solver("uniform")(graph, eager))
+    dp = simulate(graph, solve_dp(graph, block.peak_bytes))
+    assert dp.peak_bytes <= block.peak_bytes
+    assert dp.recompute_time_s < block.recompute_time_s
+    half = simulate(graph, solve_dp(graph, eager / 2))
+    assert half.peak_bytes <= eager / 2 and half.recompute_flops < block.recompute_flops
+
+
+def test_dp_is_fast_on_a_long_uniform_chain():
+    g = GraphBuilder()
+    prev = None
+    for i in range(1000):
+        reads = (prev,) if prev else ()
+        g.add(
+            f"n{i}",
+            reads=reads,
+            saves=reads,
+            out_bytes=1 << 20,
+            fwd_flops=10**9,
+            param_grad_bytes=1 << 16,
+        )
+        prev = f"n{i}"
+    graph = g.build(outputs=(prev,))
+    eager = simulate(graph, Schedule()).peak_bytes
+    start = time.perf_counter()
+    s = solve_dp(graph, eager / 4)
+    elapsed = time.perf_counter() - start
+    assert simulate(graph, s).peak_bytes <= eager / 4
+    assert elapsed < 10  # measured ~1 s; generous for slow CI machines

@@ -1,0 +1,82 @@
+"""ilp against brute force and dp: the same least recompute time over non-nested regions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solvers.brute import score_all
+from solvers.costgraph import Schedule
+from solvers.dp import least_peak, solve_dp
+from solvers.errors import InfeasibleBudgetError
+from solvers.ilp import solve_ilp
+from solvers.simulate import simulate
+from solvers.synthetic import gpt_like_graph, random_dag
+
+
+def _time_or_least(solve, graph, budget, **opts):
+    try:
+        schedule = solve(graph, budget, **opts)
+    except InfeasibleBudgetError as e:
+        return None, e.min_bytes
+    sim = simulate(graph, schedule)
+    assert sim.peak_bytes <= budget
+    return sim.recompute_time_s, schedule
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6))
+def test_ilp_is_optimal_against_brute_force(seed, n):
+    rng = random.Random(seed)
+    graph = random_dag(rng, n)
+    scored = score_all(graph, max_depth=1)
+    eager = simulate(graph, Schedule()).peak_bytes
+    for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager)):
+        want = scored.best(budget)
+        got, _ = _time_or_least(solve_ilp, graph, budget)
+        if want is None:
+            assert got is None
+        else:
+            assert got == pytest.approx(want[0], abs=1e-9)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(7, 12))
+def test_ilp_equals_dp_without_nesting_on_dags_up_to_12_nodes(seed, n):
+    rng = random.Random(seed)
+    graph = random_dag(rng, n)
+    eager = simulate(graph, Schedule()).peak_bytes
+    budget = rng.randint(eager // 4, eager)
+    ilp, _ = _time_or_least(solve_ilp, graph, budget)
+    dp, _ = _time_or_least(solve_dp, graph, budget, max_span=None, max_depth=1)
+    assert (ilp is None) == (dp is None)
+    if ilp is not None:
+        assert ilp == pytest.approx(dp, abs=1e-9)
+
+
+def test_both_backends_agree_and_report_gap():
+    rng = random.Random(7)
+    graph = random_dag(rng, 9)
+    least = least_peak(graph, max_span=None, max_depth=1)
+    budget = (least + simulate(graph, Schedule()).peak_bytes) // 2
+    highs = solve_ilp(graph, budget, backend="highs")
+    cbc = solve_ilp(graph, budget, backend="cbc")
+    assert highs.gap == cbc.gap == 0.0
+    assert simulate(graph, highs).recompute_time_s == pytest.approx(
+        simulate(graph, cbc).recompute_time_s
+    )
+
+
+def test_ilp_on_a_gpt_like_graph_fits_and_beats_every_block():
+    graph = gpt_like_graph(n_layer=2, d_model=64, seq_len=64, batch=2, vocab=128)
+    from solvers.registry import get_solver
+
+    block = simulate(graph, get_solver("uniform")(graph, 1e18))
+    s = solve_ilp(graph, block.peak_bytes, time_limit_s=20)
+    sim = simulate(graph, s)
+    assert sim.peak_bytes <= block.peak_bytes
+    assert sim.recompute_time_s <= block.recompute_time_s
+    assert s.solver == "ilp" and s.gap is not None and s.gap <= 0.01
