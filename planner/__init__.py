@@ -6,6 +6,7 @@
 """
 
 from passes.rewrite import Region
+from planner.compare import Comparison, compare
 from planner.measure import Measurement, measure
 from planner.plan import Plan, plan
 from planner.plan_file import apply_plan
@@ -20,6 +21,7 @@ from solvers.errors import (
 
 __all__ = [
     "CaptureError",
+    "Comparison",
     "InfeasibleBudgetError",
     "InvalidBudgetError",
     "Measurement",
@@ -29,6 +31,7 @@ __all__ = [
     "Region",
     "UnsupportedModelError",
     "apply_plan",
+    "compare",
     "measure",
     "plan",
 ]

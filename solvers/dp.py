@@ -596,6 +596,7 @@ def solve_dp(
     coarse_cuts: int | None = None,
     max_depth: int | None = None,
     grid: int = DEFAULT_GRID,
+    selective: bool = False,
     **opts,
 ) -> Schedule:
     """Least recompute time within the budget over nested regions.
@@ -604,6 +605,9 @@ def solve_dp(
     ``coarse_cuts`` cheapest cuts; with ``max_span=None`` (or a graph no longer than it) every
     interval is allowed. ``grid`` bounds the memory steps (bytes are rounded up to
     budget / grid; exact when that is 1). ``max_depth`` caps the nesting (None: any depth).
+    ``selective`` also offers selective regions between coarse cuts (off by default until
+    ``simulate`` stops leaking what skipped nodes read in selective recomputation; when it
+    disagrees the programme answers again without them).
     """
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
@@ -613,7 +617,7 @@ def solve_dp(
     note = "every interval" if every else f"spans <= {max_span} boundaries or coarse cuts"
     if max_depth is not None:
         note += f", depth <= {max_depth}"
-    for selective in (True, False):
+    for selective in (True, False) if selective else (False,):
         solved = solve_all(graph, min(float(budget_bytes), eager), selective=selective, **kw)
         schedule = solved.schedule(budget_bytes)
         exact = every and solved.unit_bytes == 1
