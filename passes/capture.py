@@ -36,7 +36,7 @@ class Captured:
 
 def capture(model: nn.Module, example_input: Any) -> Captured:
     """Capture ``model`` as a GraphModule that shares its parameters and buffers."""
-    args, kwargs = split_input(example_input)
+    args, kwargs = _checked_input(example_input)
     errors: list[tuple[str, BaseException]] = []
     try:
         gm = _export(model, args, kwargs)
@@ -49,13 +49,58 @@ def capture(model: nn.Module, example_input: Any) -> Captured:
         except Exception as trace_error:  # noqa: BLE001
             errors.append(("torch.fx.symbolic_trace", trace_error))
             raise CaptureError(_explain(model, errors)) from export_error
+        _check_runs(gm, args, kwargs, export_error)
     _share_state(model, gm)
     _pin_mode(gm, model.training)
     return Captured(module=gm, args=args, kwargs=kwargs, frontend=frontend)
 
 
+def _checked_input(example_input: Any) -> tuple[tuple, dict]:
+    try:
+        args, kwargs = split_input(example_input)
+    except TypeError as e:
+        raise CaptureError(f"{e}; pass example_input=... as one of those") from None
+    leaves = [*enumerate(args), *kwargs.items()]
+    for where, leaf in leaves:
+        if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None))):
+            raise CaptureError(
+                f"example_input[{where!r}] is a {type(leaf).__name__}, not a tensor; pass "
+                f"example_input=... as a tensor, a tuple of tensors or a dict of keyword tensors"
+            )
+    return args, kwargs
+
+
+def _check_runs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, export_error) -> None:
+    """symbolic_trace never looks at the input: run the graph on fake copies of it once."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            gm(*fake[0], **fake[1])
+    except Exception as e:  # noqa: BLE001 - any failure means the input does not fit
+        shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(
+            f"example_input (tensor shapes {shapes}) does not fit the model: "
+            f"{type(e).__name__}: {first}. torch.export also failed: "
+            f"{type(export_error).__name__}: {str(export_error).strip().splitlines()[0]}. "
+            f"Fix: pass an example input of the shapes and dtypes you train with"
+        ) from e
+
+
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    # Training never reads a KV cache, and a cache object in the output stops torch.export
+    # (Hugging Face models with config.use_cache=True).
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", False) is True
+    if cached:
+        config.use_cache = False
+    try:
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        if cached:
+            config.use_cache = True
     # check_guards=False: input checks run as a forward pre-hook instead of a `_guards_fn`
     # call_module node, so the graph holds only the model's own operations.
     return ep.module(check_guards=False)

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -226,10 +227,13 @@ class CheckpointRegion(nn.Module):
             calls += 1
             if calls == 1:
                 return body(*merged(state, a))
-            full = merged({i: v.clone() for i, v in before_args.items()}, a)
+            # Bookkeeping copies, not ops of the region: keep them out of selective
+            # checkpointing's dispatch mode, which would otherwise try to replay them.
+            with _disable_current_modes():
+                full = merged({i: v.clone() for i, v in before_args.items()}, a)
+                fresh = {k: v.clone() for k, v in before_bufs.items()}
             if not before_bufs:
                 return body(*full)
-            fresh = {k: v.clone() for k, v in before_bufs.items()}
             return torch.func.functional_call(body, fresh, full, strict=False)
 
         return run, rest

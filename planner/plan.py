@@ -14,7 +14,7 @@ from passes.rewrite import Region, region_name, rewrite
 from passes.step import LossFn
 from planner.plan_file import graph_fingerprint
 from solvers.costgraph import CostGraph, Schedule
-from solvers.errors import InvalidBudgetError
+from solvers.errors import InvalidBudgetError, UnsupportedModelError
 from solvers.registry import get_solver
 from solvers.simulate import Simulation, simulate
 
@@ -70,7 +70,7 @@ def budget_bytes_from_gb(mem_budget_gb: Any) -> int:
             f"mem_budget_gb must be a positive, finite number of gigabytes (10^9 bytes), got "
             f"{mem_budget_gb!r}; e.g. mem_budget_gb=1.5"
         )
-    return int(value * GB)
+    return round(value * GB)
 
 
 def named_regions(gm: torch.fx.GraphModule, graph: CostGraph, schedule: Schedule) -> list[Region]:
@@ -130,6 +130,12 @@ def plan(
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     solve = get_solver(solver)  # fail on an unknown solver before the slow part
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UnsupportedModelError(
+            f"no parameter of {type(model).__name__} requires grad, so a training step has "
+            f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
+            f"(param.requires_grad_(True)) before planner.plan()"
+        )
     captured = capture(model, example_input)
     graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
     schedule = solve(graph, budget_bytes, **solver_opts)

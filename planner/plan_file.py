@@ -86,6 +86,8 @@ def load_plan_file(path: str | Path) -> dict[str, Any]:
         body = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise PlanFileError(f"no plan file at {path}") from None
+    except OSError as e:
+        raise PlanFileError(f"cannot read plan file {path}: {e.strerror}. {fix}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanFileError(f"{path} is not valid JSON (truncated or corrupt?): {e}. {fix}") from e
     if not isinstance(body, dict) or body.get("format") != FORMAT:
@@ -142,8 +144,10 @@ def apply_plan(
     spans = []
     for r in body["regions"]:
         positions = [index.get(name) for name in r.nodes]
-        if not positions or None in positions or positions != list(
-            range(positions[0], positions[0] + len(positions))
+        if (
+            not positions
+            or None in positions
+            or positions != list(range(positions[0], positions[0] + len(positions)))
         ):
             raise PlanFileError(
                 f"region {r.name!r} in {path} does not name a contiguous run of this graph's "

@@ -193,7 +193,7 @@ class _Programme:
         self._suffix: dict[tuple[int, int], int] = {}
         self._interned: dict[tuple, int] = {}
         self._last: dict[tuple[int, int, bool], int] = {}
-        self._wmax: dict[tuple[int, int, bool], list[int]] = {}
+        self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
         self._end = np.zeros(self.size)
         self._keys: dict[tuple, tuple] = {}
 
@@ -217,16 +217,16 @@ class _Programme:
         k = bisect.bisect_left(ns, c)
         return k < len(ns) and ns[k] < j
 
-    def fwd_peaks(self, c: int, b: int, root: bool) -> list[int]:
-        """Running max over i in [c, b) of the bytes produced from c on and alive at i's forward
-        (plus i's working set), with the context ending at ``b``."""
-        key = (c, b, root)
+    def fwd_peaks(self, c: int, b: int, root: bool, upto: int) -> list[int]:
+        """Running max over i in [c, upto) of the bytes produced from c on and alive at i's
+        forward (plus i's working set), with the context ending at ``b``."""
+        key = (c, b, root, upto)
         got = self._wmax.get(key)
         if got is None:
             p = self.p
             ends: dict[int, int] = {}
             alive, best, got = 0, 0, []
-            for i in range(c, b):
+            for i in range(c, upto):
                 for t in p.produced[i]:
                     alive += p.size[t]
                     end = self.last_need(t, b, root)
@@ -433,10 +433,11 @@ class _Programme:
         if self.max_depth is None or depth < self.max_depth:
             base = self.base(b, root)
             cross_bytes = sum(p.size[t] for t, _ in crossing)
-            peaks = self.fwd_peaks(c, b, root)
+            ends = self.region_ends(c, b)
+            peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c)
             surviving: list[int] = []  # produced in [c, j), still needed at j or later
             last = c
-            for j in self.region_ends(c, b):
+            for j in ends:
                 if j == b and not whole_ok:
                     break
                 fwd = cross_bytes + peaks[j - 1 - c]
@@ -576,11 +577,23 @@ def solve_all(
 
 
 def least_memory_schedule(graph: CostGraph, **opts) -> tuple[int, Schedule]:
-    """The programme's least-memory schedule and its peak by ``simulate``."""
-    eager = simulate(graph, Schedule()).peak_bytes
-    solved = solve_all(graph, eager, **opts)
-    schedule = solved.schedule(solved.least_bytes())
-    return simulate(graph, schedule).peak_bytes, schedule
+    """The programme's least-memory schedule and its peak by ``simulate``.
+
+    Solved twice: on the eager peak's grid to find it roughly, then on a grid up to that
+    answer, whose finer steps round less and so reach lower."""
+    cap = simulate(graph, Schedule()).peak_bytes
+    best: tuple[int, Schedule] | None = None
+    for _ in range(2):
+        solved = solve_all(graph, cap, **opts)
+        least = solved.least_bytes()
+        if least is None:
+            break
+        schedule = solved.schedule(least)
+        peak = simulate(graph, schedule).peak_bytes
+        if best is None or peak < best[0]:
+            best = (peak, schedule)
+        cap = peak
+    return best
 
 
 def least_peak(graph: CostGraph, **opts) -> int:
@@ -617,16 +630,16 @@ def solve_dp(
     note = "every interval" if every else f"spans <= {max_span} boundaries or coarse cuts"
     if max_depth is not None:
         note += f", depth <= {max_depth}"
-    for selective in (True, False) if selective else (False,):
-        solved = solve_all(graph, min(float(budget_bytes), eager), selective=selective, **kw)
+    for with_selective in (True, False) if selective else (False,):
+        solved = solve_all(graph, min(float(budget_bytes), eager), selective=with_selective, **kw)
         schedule = solved.schedule(budget_bytes)
         exact = every and solved.unit_bytes == 1
         if schedule is None:
             # Rounding bytes up can miss a budget right at the least peak; that schedule,
             # found on the eager-peak grid, still settles it.
-            least, schedule = least_memory_schedule(graph, selective=selective, **kw)
+            least, schedule = least_memory_schedule(graph, selective=with_selective, **kw)
             if least > budget_bytes:
-                if selective:
+                if with_selective:
                     continue
                 raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
             note += ", least-memory schedule"

@@ -21,7 +21,7 @@ class InfeasibleBudgetError(PlannerError):
             f"no checkpoint schedule fits a budget of {budget_bytes / 2**20:.1f} MiB "
             f"({budget_bytes / 1e9:.3f} GB); the least feasible budget is "
             f"{min_bytes / 2**20:.1f} MiB ({min_bytes / 1e9:.3f} GB). Raise mem_budget_gb to at "
-            f"least {min_bytes / 1e9:.3f}, or shrink the batch or sequence length."
+            f"least {min_bytes / 1e9!r}, or shrink the batch or sequence length."
             + (f" {detail}" if detail else "")
         )
 

@@ -65,11 +65,18 @@ class Model:
 
 
 def candidates(graph: CostGraph, max_span: int | None, coarse_cuts: int | None) -> list[Region]:
+    """Every interval on small graphs; else intervals spanning at most ``max_span`` boundaries
+    (cuts after nodes that allocate: a cut after a view equals the one before it) and those
+    between coarse cuts."""
     n = len(graph.nodes)
     if max_span is None or n <= FULL_NODES:
         return [Region(a, b) for a in range(n) for b in range(a + 1, n + 1)]
-    pairs = {(a, b) for a in range(n) for b in range(a + 1, min(n, a + max_span) + 1)}
-    coarse = coarse_cut_points(graph, coarse_cuts)
+    makes = {t.producer for t in graph.tensors}
+    bounds = [c for c in range(n + 1) if c in (0, n) or c - 1 in makes]
+    pairs = {(a, b) for k, a in enumerate(bounds) for b in bounds[k + 1 : k + 1 + max_span]}
+    coarse = sorted(
+        {max(b for b in bounds if b <= c) for c in coarse_cut_points(graph, coarse_cuts)}
+    )
     pairs |= {(a, b) for k, a in enumerate(coarse) for b in coarse[k + 1 :]}
     return [Region(a, b) for a, b in sorted(pairs)]
 

@@ -23,14 +23,16 @@ def test_linear_relu_chain_bytes_exact():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     _, graph = _estimate(model, torch.randn(3, 4))
     assert [n.name for n in graph.nodes] == ["linear", "relu", "linear_1"]
-    by_producer = {t.producer: t for t in graph.tensors}
-    assert len(graph.tensors) == 3
-    hidden, relu_out, out = by_producer[0], by_producer[1], by_producer[2]
+    assert [t.producer for t in graph.tensors] == [0, 1, 2, 2]
+    hidden, relu_out, out, loss = graph.tensors
     # linear output: read by relu only; relu saves its own output, not its input.
     assert (hidden.size_bytes, hidden.users, hidden.saved_by) == (3 * 8 * F32, (1,), ())
     # relu output: saved by relu (for threshold_backward) and by linear_1 (its input).
     assert (relu_out.size_bytes, relu_out.users, relu_out.saved_by) == (3 * 8 * F32, (2,), (1, 2))
     assert (out.size_bytes, out.is_output, out.grad_bytes) == (3 * 2 * F32, True, 3 * 2 * F32)
+    # The loss (the sum of the output, charged to the last node) is held by the caller through
+    # backward.
+    assert (loss.size_bytes, loss.held_to_end, loss.is_output) == (F32, True, False)
     # Parameter gradients appear in the backward of the node that uses the parameters.
     assert [n.param_grad_bytes for n in graph.nodes] == [(8 * 4 + 8) * F32, 0, (2 * 8 + 2) * F32]
     assert graph.nodes[2].inputs == (1,)

@@ -39,11 +39,6 @@ def test_data_dependent_control_flow_names_the_line_and_the_fix():
     assert "torch.cond" in text or "torch.where" in text  # the way out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="passes/step.py split_input raises a bare TypeError, not a PlannerError; reported",
-    raises=TypeError,
-)
 def test_example_input_of_the_wrong_type_is_refused():
     model, _ = zoo.mha_example()
     with pytest.raises(planner.PlannerError, match="example_input") as info:
@@ -51,12 +46,6 @@ def test_example_input_of_the_wrong_type_is_refused():
     assert "tensor" in str(info.value) and "int" in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="export fails, symbolic_trace then succeeds without looking at the input, and "
-    "passes/estimate.py raises a raw TypeError from layer_norm; reported",
-    raises=TypeError,
-)
 def test_example_input_of_strings_is_refused():
     model, _ = zoo.mha_example()
     with pytest.raises(planner.PlannerError, match="example_input") as info:
@@ -64,12 +53,6 @@ def test_example_input_of_strings_is_refused():
     assert "str" in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="same path as strings: estimate raises a raw RuntimeError (normalized_shape) after "
-    "the symbolic_trace fallback; reported",
-    raises=RuntimeError,
-)
 def test_example_input_of_the_wrong_shape_names_the_shapes():
     model, _ = zoo.mha_example()  # expects (batch, seq, 32)
     with pytest.raises(planner.PlannerError, match="example_input") as info:
@@ -77,12 +60,6 @@ def test_example_input_of_the_wrong_shape_names_the_shapes():
     assert "[2, 32, 7]" in str(info.value) or "(2, 32, 7)" in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="planner/plan.py does not check for trainable parameters; training_loss raises a "
-    "bare ValueError about the loss; reported",
-    raises=ValueError,
-)
 def test_model_without_trainable_parameters_is_refused():
     with pytest.raises(planner.UnsupportedModelError, match="requires_grad") as info:
         planner.plan(zoo.FrozenNet(), torch.randn(4, 16), mem_budget_gb=1.0, solver="uniform")
@@ -114,12 +91,6 @@ def test_budget_below_the_least_feasible_states_it_in_bytes_and_mib():
     assert "least feasible budget" in str(e) and "mem_budget_gb" in str(e)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="solvers/errors.py prints the suggested mem_budget_gb with 3 decimals, so a budget "
-    "under 0.5 MB reads 'at least 0.000', itself an invalid budget; reported",
-    raises=planner.InvalidBudgetError,
-)
 def test_the_budget_the_error_suggests_is_accepted():
     model, x = zoo.inplace_example()
     with pytest.raises(planner.InfeasibleBudgetError) as info:
@@ -164,12 +135,6 @@ def test_missing_file_is_refused(saved, tmp_path):
         planner.apply_plan(model, tmp_path / "nowhere.json", example_input)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="planner/plan_file.py load_plan_file lets IsADirectoryError (any OSError but "
-    "FileNotFoundError) through raw; reported",
-    raises=IsADirectoryError,
-)
 def test_a_directory_is_refused(saved, tmp_path):
     model, example_input, _ = saved
     with pytest.raises(planner.PlanFileError, match=str(tmp_path)):

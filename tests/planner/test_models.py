@@ -77,11 +77,22 @@ MODELS = {
 }
 SLOW = {"gpt2", "llama", "bert"}
 # Known defects in other parts, reported with reproducers; strict, so a fix shows as XPASS.
+# Whole model: planning it fails.
+BROKEN = {
+    "inplace": pytest.mark.xfail(
+        strict=True,
+        raises=planner.UnsupportedModelError,
+        reason="solvers (auto/dp) cut a region between linear_8 and the in-place relu_ that "
+        "writes it, which rewrite then refuses ('relu__8 writes in place to linear_8, which "
+        "checkpoint region ckpt_blocks_4_to_5 reads from outside'); estimate/cuts must forbid "
+        "such cuts; reported",
+    ),
+}
 # One check of one model.
 KNOWN = {
     ("unet", "measured"): "the cost model does not count the BatchNorm buffer copies the "
-    "rewrite keeps for recompute (nor the 4-byte loss): measured 224244 B at a 223728 B "
-    "budget, predicted 223728; reported",
+    "rewrite keeps for recompute: at the least feasible budget the measured peak runs "
+    "200-520 B over (ilp: 218436 B measured, 218228 budget and prediction); reported",
 }
 
 
@@ -98,7 +109,7 @@ def expect_defect(request, case: Case, check: str) -> None:
     params=[
         pytest.param(
             n,
-            marks=[pytest.mark.slow] if n in SLOW else [],
+            marks=[m for m in (pytest.mark.slow if n in SLOW else None, BROKEN.get(n)) if m],
         )
         for n in MODELS
     ],
@@ -227,12 +238,6 @@ def test_non_tensor_outputs_come_back_unchanged():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="capture: torch.export cannot flatten the DynamicCache GPT2Config() returns by "
-    "default (use_cache=True) and symbolic_trace fails too; reported (issue 7 note)",
-    raises=planner.CaptureError,
-)
 def test_gpt2_with_the_default_use_cache_is_planned():
     model, example_input = zoo.gpt2_example(use_cache=True)
     p = planner.plan(model, example_input, 1.0, solver="uniform")
