@@ -20,7 +20,7 @@ import torch
 from benchmarks.models import gpt_ref_example
 from passes.capture import capture
 from passes.estimate import estimate
-from planner.compare import compare
+from planner.comparison import compare
 from solvers.costgraph import Schedule
 from solvers.dp import least_memory_schedule, solve_dp
 from solvers.ilp import solve_ilp

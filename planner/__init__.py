@@ -6,7 +6,7 @@
 """
 
 from passes.rewrite import Region
-from planner.compare import Comparison, compare
+from planner.comparison import Comparison, compare
 from planner.measure import Measurement, measure
 from planner.plan import Plan, plan
 from planner.plan_file import apply_plan

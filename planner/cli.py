@@ -283,7 +283,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from planner.compare import compare, solver_names
+    from planner.comparison import compare, solver_names
 
     budgets_gb = fractions = None
     if args.budgets:
@@ -321,7 +321,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_solvers(args: argparse.Namespace) -> int:
-    from planner.compare import solver_names
+    from planner.comparison import solver_names
     from solvers.registry import SOLVERS
 
     for name in solver_names() + ["auto"] * ("auto" in SOLVERS):

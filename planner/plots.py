@@ -23,7 +23,7 @@ from solvers.costgraph import CostGraph
 from solvers.costgraph import Region as Span
 
 if TYPE_CHECKING:
-    from planner.compare import Comparison
+    from planner.comparison import Comparison
     from planner.plan import Plan
 
 MIB = 2**20

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 import planner
 from benchmarks.models import gpt_ref_small_example
-from planner.compare import Comparison, Row
+from planner.comparison import Comparison, Row
 from planner.plots import (
     MIB,
     node_bytes,
@@ -235,7 +235,7 @@ def test_pareto_plot_draws_each_solvers_front_eager_and_budgets():
 
 @pytest.fixture(scope="module")
 def compared():
-    import planner.compare as compare_module
+    import planner.comparison as compare_module
 
     model, example_input = gpt_ref_small_example()
     calls = {"capture": 0, "estimate": 0}
@@ -312,7 +312,7 @@ def test_compared_plans_train_exactly_like_the_model(compared):
 
 
 def test_compare_refuses_unknown_solvers_and_bad_budgets_before_capturing(monkeypatch):
-    import planner.compare as compare_module
+    import planner.comparison as compare_module
 
     def no_capture(*args, **kwargs):
         raise AssertionError("captured before checking its arguments")

@@ -9,7 +9,7 @@ import torch
 
 import planner
 from benchmarks.models import gpt_ref_small_example, residual_cnn_example
-from planner.compare import solver_names
+from planner.comparison import solver_names
 from tests.helpers import assert_same_step
 
 EXAMPLES = {
