@@ -35,10 +35,14 @@ def main() -> None:
     captured = capture(model, example)
     graph = estimate(captured.module, captured.args, captured.kwargs)
     estimate_s = time.perf_counter() - t0
-    print(f"GPT-ref eager measured peak {eager.peak_bytes / MIB:.1f} MiB, step "
-          f"{eager.step_time_s:.3f} s; capture+estimate {estimate_s:.2f} s\n")
-    print("| solver | budget | predicted peak | measured peak | pred/meas | recompute FLOPs "
-          "| time ratio | solve time |")
+    print(
+        f"GPT-ref eager measured peak {eager.peak_bytes / MIB:.1f} MiB, step "
+        f"{eager.step_time_s:.3f} s; capture+estimate {estimate_s:.2f} s\n"
+    )
+    print(
+        "| solver | budget | predicted peak | measured peak | pred/meas | recompute FLOPs "
+        "| time ratio | solve time |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for fraction in (float(f) for f in args.fractions.split(",")):
         budget = int(fraction * eager.peak_bytes)
@@ -47,8 +51,10 @@ def main() -> None:
             try:
                 schedule = get_solver(name)(graph, budget)
             except InfeasibleBudgetError as e:
-                print(f"| {name} | {fraction:.0%} ({budget / MIB:.0f} MiB) | infeasible: least "
-                      f"{e.min_bytes / MIB:.1f} MiB | | | | | |")
+                print(
+                    f"| {name} | {fraction:.0%} ({budget / MIB:.0f} MiB) | infeasible: least "
+                    f"{e.min_bytes / MIB:.1f} MiB | | | | | |"
+                )
                 continue
             solve_s = time.perf_counter() - t0
             p = build_plan(captured.module, graph, schedule, budget)

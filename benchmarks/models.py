@@ -167,8 +167,9 @@ class UNet(nn.Module):
         widths = [channels * 2**i for i in range(depth + 1)]
         self.stem = _conv_bn_relu(3, widths[0])
         self.down = nn.ModuleList(_conv_bn_relu(widths[i], widths[i + 1]) for i in range(depth))
+        levels = list(reversed(range(depth)))
         self.up = nn.ModuleList(
-            nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2) for i in reversed(range(depth))
+            nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2) for i in levels
         )
         self.dec = nn.ModuleList(
             _conv_bn_relu(2 * widths[i], widths[i]) for i in reversed(range(depth))

@@ -10,6 +10,8 @@ p = planner.plan(model, example_input, mem_budget_gb=0.5 * eager.peak_bytes / 1e
 print(p.summary())
 
 after = planner.measure(p.module, example_input)  # p.module trains in the model's place
-print(f"measured peak: {eager.peak_bytes / 2**20:.1f} MiB eager -> "
-      f"{after.peak_bytes / 2**20:.1f} MiB planned ({p.solver}); "
-      f"step time {eager.step_time_s:.2f} s -> {after.step_time_s:.2f} s")
+print(
+    f"measured peak: {eager.peak_bytes / 2**20:.1f} MiB eager -> "
+    f"{after.peak_bytes / 2**20:.1f} MiB planned ({p.solver}); "
+    f"step time {eager.step_time_s:.2f} s -> {after.step_time_s:.2f} s"
+)

@@ -1,8 +1,8 @@
 """planner: automatic activation checkpointing for PyTorch training.
 
-    p = planner.plan(model, example_input, mem_budget_gb=1.5)
-    print(p.summary())
-    loss = training_loss(p.module(*inputs))  # train p.module in the model's place
+p = planner.plan(model, example_input, mem_budget_gb=1.5)
+print(p.summary())
+loss = training_loss(p.module(*inputs))  # train p.module in the model's place
 """
 
 from passes.rewrite import Region

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import planner
-from benchmarks.models import gpt_example, gpt_ref_small_example, GPT_REF_SMALL
+from benchmarks.models import GPT_REF_SMALL, gpt_example, gpt_ref_small_example
 from tests.helpers import assert_same_step
 
 
