@@ -153,7 +153,9 @@ def save_output(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if getattr(_save_state, "depth", 0):
+    # A saved op may decompose into views of its inputs (matmul expands and reshapes them);
+    # caching those views would keep the inputs' storages, e.g. an S x S softmax, alive.
+    if getattr(_save_state, "depth", 0) and not getattr(op, "is_view", False):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

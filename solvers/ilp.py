@@ -159,11 +159,12 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
             alive[p.producer[t]] += p.size[t]
             alive[end + 1 if end < n else n] -= p.size[t]
     running = 0
+    outputs = [t for t in range(n_t) if p.is_output[t] and g[t]]
     for i in range(n):
         running += alive[i]
         coef = {fin[i]: 1.0}
-        for t in range(n_t):  # outputs are already counted as alive to the end of forward
-            if p.is_output[t] and g[t] and last[t] < i:
+        for t in outputs:  # outputs are already counted as alive to the end of forward
+            if last[t] < i:
                 coef[g[t][-1]] = coef.get(g[t][-1], 0.0) - p.size[t]
         mdl.row(coef, hi=budget_bytes - running - p.fwd_temp[i] - p.held_fwd[i])
 
@@ -227,11 +228,14 @@ def own_working_set(p, r: Region) -> int:
                 ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
         fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
         live -= ends.pop(i, 0)
-    bwd_peak = 0
+    # At node i's backward the region holds what something at or before i saves.
+    from_node = [0] * (b - a)
+    for t in inside:
+        if saved_in[t]:
+            from_node[min(saved_in[t]) - a] += p.size[t]
+    bwd_peak, held = 0, 0
     for i in range(a, b):
-        held = sum(
-            p.size[t] for t in inside if p.producer[t] <= i and any(s <= i for s in saved_in[t])
-        )
+        held += from_node[i - a]
         bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
     return max(bwd_peak, p.grad_after[b] + fwd_peak)
 
@@ -279,7 +283,7 @@ def solve_cbc(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | None:
             f"v{k}",
             lowBound=lb if np.isfinite(lb) else None,
             upBound=ub if np.isfinite(ub) else None,
-            cat=pulp.LpBinary if integer else pulp.LpContinuous,
+            cat=pulp.LpInteger if integer else pulp.LpContinuous,  # LpBinary drops ub=0
         )
         for k, (lb, ub, integer) in enumerate(zip(mdl.lb, mdl.ub, mdl.integer))
     ]

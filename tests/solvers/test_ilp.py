@@ -80,3 +80,17 @@ def test_ilp_on_a_gpt_like_graph_fits_and_beats_every_block():
     assert sim.peak_bytes <= block.peak_bytes
     assert sim.recompute_time_s <= block.recompute_time_s
     assert s.solver == "ilp" and s.gap is not None and s.gap <= 0.01
+
+
+def test_cbc_equals_highs_on_random_dags():
+    """Including budgets where some candidates cannot fit at all (their variable is fixed to 0)."""
+    rng = random.Random(5)
+    for _ in range(15):
+        graph = random_dag(rng, rng.randint(2, 10))
+        eager = simulate(graph, Schedule()).peak_bytes
+        budget = rng.randint(eager // 2, eager)
+        highs, _ = _time_or_least(solve_ilp, graph, budget, backend="highs")
+        cbc, _ = _time_or_least(solve_ilp, graph, budget, backend="cbc")
+        assert (highs is None) == (cbc is None)
+        if highs is not None:
+            assert cbc == pytest.approx(highs, abs=1e-9)
