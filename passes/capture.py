@@ -72,13 +72,21 @@ def _checked_input(example_input: Any) -> tuple[tuple, dict]:
 
 def _check_runs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, export_error) -> None:
     """symbolic_trace never looks at the input: run the graph on fake copies of it once."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-            gm(*fake[0], **fake[1])
-    except Exception as e:  # noqa: BLE001 - any failure means the input does not fit
+            # Fake parameters and buffers too: the run must not touch the model's state
+            # (BatchNorm's in-place num_batches_tracked update, say).
+            state = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+            fake_state, fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, mode.from_tensor, (state, args, kwargs)
+            )
+            torch.func.functional_call(gm, fake_state, fake_args, fake_kwargs)
+    except (DataDependentOutputException, GuardOnDataDependentSymNode):
+        return  # fake tensors cannot read values (e.g. BatchNorm momentum=None); not a misfit
+    except Exception as e:  # noqa: BLE001 - any other failure means the input does not fit
         shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(
