@@ -226,7 +226,7 @@ def plot_timelines(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--solvers", default="uniform,sqrt,dp")
+    parser.add_argument("--solvers", default="uniform,sqrt,greedy,revolve,selective,dp,ilp")
     parser.add_argument(
         "--fractions", default="0.1,0.4,0.7", help="budget = least + f * (eager - least)"
     )

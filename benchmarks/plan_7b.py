@@ -8,7 +8,7 @@ whole ``plan()``, the predicted peak for no checkpointing, every layer, and the 
 40 GB and 24 GB, and compares the per-layer activation bytes with Korthikanti et al. (2022),
 s·b·h·(34 + 5·a·s/h) bytes per layer in half precision.
 
-Run: ``python benchmarks/plan_7b.py`` (``--layers 2`` for a quick look).
+Run: ``python -m benchmarks.plan_7b`` (``--layers 2`` for a quick look).
 """
 
 from __future__ import annotations
@@ -161,7 +161,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--solvers", default="uniform,sqrt", help="candidates for 'best'")
+    parser.add_argument(
+        "--solvers", default="auto,greedy,uniform,sqrt", help="candidates for 'best'"
+    )
     args = parser.parse_args()
     cfg = LlamaConfig(n_layer=args.layers, seq_len=args.seq)
 
@@ -174,8 +176,8 @@ def main() -> None:
     t0 = time.perf_counter()
     model, example = llama_example(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    # A budget every schedule meets: this call times the whole pipeline, solver included.
-    p = planner.plan(model, example, mem_budget_gb=1e6, solver="uniform")
+    # What a user runs: the whole pipeline (capture, estimate, default solver, rewrite) at 24 GB.
+    p = planner.plan(model, example, mem_budget_gb=24)
     plan_s = time.perf_counter() - t0
     graph = p.graph
     print(
@@ -184,7 +186,8 @@ def main() -> None:
         f"{len(graph.nodes)} graph nodes"
     )
     print(
-        f"plan() on the meta device: {plan_s:.1f} s wall, peak RSS "
+        f"plan(model, example, mem_budget_gb=24) on the meta device ({p.solver}, "
+        f"{len(p.regions)} regions): {plan_s:.1f} s wall, peak RSS "
         f"{peak_rss_bytes() / 2**30:.2f} GiB (limits: 60 s, 4 GB)"
     )
     eager = simulate(graph, Schedule())

@@ -82,6 +82,7 @@ class _Storage:
     is_output: bool = False
     freed_at: int | None = None  # node whose backward was running when it died (None: forward)
     held_to_end: bool = False
+    written_by: set[int] = field(default_factory=set)  # nodes writing it in place in forward
 
 
 def _is_tensor(x: Any) -> bool:
@@ -103,6 +104,10 @@ class _Tracker(TorchDispatchMode):
         self.random_nodes: set[int] = set()
         self.sdpa_backends: set[str] = set()
         self.allocated: dict[tuple[str, int], list[_Storage]] = defaultdict(list)
+        # Model buffers (node -1 storages) each node writes in forward: BatchNorm statistics.
+        self.state_written: dict[int, dict[int, int]] = defaultdict(dict)
+        # node -> how many storages its forward had allocated at its last save for backward
+        self.allocated_at_last_save: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,6 +120,8 @@ class _Tracker(TorchDispatchMode):
             self.sdpa_backends.add(_SDPA_BACKENDS[func])
         if torch.Tag.nondeterministic_seeded in func.tags and self.phase == "fwd":
             self.random_nodes.add(self.node)
+        if self.phase == "fwd" and self.node >= 0:
+            self.note_writes(func, args, kwargs)
         if not func.is_view:
             # Roofline traffic: every input read once, every output written once.
             leaves = tree_leaves((args, kwargs, out))
@@ -125,6 +132,29 @@ class _Tracker(TorchDispatchMode):
             if _is_tensor(t):
                 self.track(t)
         return out
+
+    def note_writes(self, func, args: tuple, kwargs: dict) -> None:
+        """Record the storages ``func`` writes in place (schema ``Tensor(a!)``: relu_, add_...)."""
+        schema_args = func._schema.arguments
+
+        def value_of(k: int) -> Any:
+            return args[k] if k < len(args) else kwargs.get(schema_args[k].name)
+
+        training = next((value_of(k) for k, a in enumerate(schema_args) if a.name == "training"), 1)
+        for k, a in enumerate(schema_args):
+            write = a.alias_info is not None and a.alias_info.is_write
+            # native_batch_norm updates its running statistics without saying so in its schema.
+            write |= a.name in ("running_mean", "running_var") and training is not False
+            if not write:
+                continue
+            value = value_of(k)
+            for t in tree_leaves(value):
+                if not _is_tensor(t) or (rec := self.lookup(t)) is None:
+                    continue
+                if rec.node >= 0:
+                    rec.written_by.add(self.node)
+                elif rec.phase == "ext":
+                    self.state_written[self.node][id(rec)] = rec.nbytes
 
     def track(self, t: torch.Tensor) -> _Storage | None:
         st = t.untyped_storage()
@@ -183,6 +213,7 @@ class _Step(fx.Interpreter):
         self.grad_fn_node: dict[Any, int] = {}
         self.views: set[int] = set()
         self.shapes: dict[int, list[tuple[int, ...]]] = {}
+        self.in_node = False  # a graph node's forward is running (not the loss step)
 
     def fetch_attr(self, target: str) -> Any:
         # Tensor constants that are neither parameters nor buffers (export's lifted constants,
@@ -209,8 +240,10 @@ class _Step(fx.Interpreter):
         tr.node, tr.phase = i, "fwd"
         seg = _Segment(start_bytes=tr.live_bytes)
         tr.peak_bytes = tr.live_bytes
+        self.in_node = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             out = super().run_node(n)
+        self.in_node = False
         seg.peak_above_start_bytes = tr.peak_bytes - seg.start_bytes
         self.fwd[i] = seg
         outs = [t for t in tree_leaves(out) if _is_tensor(t)]
@@ -221,9 +254,14 @@ class _Step(fx.Interpreter):
         return out
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        rec = self.tracker.lookup(t)
+        tr = self.tracker
+        rec = tr.lookup(t)
         if rec is not None and rec.node >= 0:
-            rec.saved_by.add(self.tracker.node)
+            rec.saved_by.add(tr.node)
+        if self.in_node:
+            # Checkpoint's recomputation stops at the last save; what the node allocates after
+            # it (a linear saves its inputs, then computes) is never made again.
+            tr.allocated_at_last_save[tr.node] = len(tr.allocated[("fwd", tr.node)])
         # detach: the saved copy must not point back at its grad_fn (a reference cycle would
         # keep storages alive past the moment autograd really frees them).
         return t.detach()
@@ -433,6 +471,10 @@ def _build(
                 continue
             recs.append(rec)
     for t_i, rec in enumerate(recs):
+        at_save = tracker.allocated_at_last_save.get(rec.node)
+        after_last_save = (
+            at_save is not None and tracker.allocated[("fwd", rec.node)].index(rec) >= at_save
+        )
         users = tuple(sorted(u for u in rec.users if u != rec.node))
         grad_bytes = rec.nbytes if rec.requires_grad else 0
         tensors.append(
@@ -445,6 +487,8 @@ def _build(
                 grad_bytes=grad_bytes,
                 is_output=rec.is_output and not rec.held_to_end,
                 held_to_end=rec.held_to_end or (rec.alive and not rec.is_output),
+                written_by=tuple(sorted(w for w in rec.written_by if w != rec.node)),
+                after_last_save=after_last_save,
             )
         )
         produced_bytes[rec.node] += rec.nbytes
@@ -501,6 +545,8 @@ def _build(
                 bwd_temp_bytes=max(0, bseg.peak_above_start_bytes - grad_alloc[i] - param_grad[i]),
                 param_grad_bytes=param_grad[i],
                 tags=frozenset(tags),
+                state_bytes=sum(tracker.state_written.get(i, {}).values()),
+                saves_for_backward=i in tracker.allocated_at_last_save,
             )
         )
     meta = {"estimator": "fake tensors", "rates": f"{rates[0]:.3g} FLOP/s, {rates[1]:.3g} B/s"}

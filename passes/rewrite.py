@@ -218,11 +218,14 @@ class CheckpointRegion(nn.Module):
         before_args = {i: a.detach().clone() for i, a in state.items()}
         before_bufs = {k: body.get_buffer(k).detach().clone() for k in self.state_buffers}
         rest = tuple(a for i, a in enumerate(args) if i not in state)
+        # Only the count: the closure lives as long as the checkpoint, and holding ``args``
+        # would keep every activation argument alive with it.
+        n_args = len(args)
         calls = 0
 
         def merged(values: dict[int, Any], a: tuple[Any, ...]) -> tuple[Any, ...]:
             it = iter(a)
-            return tuple(values[i] if i in values else next(it) for i in range(len(args)))
+            return tuple(values[i] if i in values else next(it) for i in range(n_args))
 
         def run(*a: Any) -> Any:
             nonlocal calls

@@ -370,16 +370,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    plan = commands.add_parser(
+    def model_command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help,
+            description=description + "\n\n" + DESCRIPTION.split("\n\n", 1)[1],
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _model_arguments(sub)
+        return sub
+
+    plan = model_command(
         "plan",
         help="choose checkpoint regions for one budget; print them, save the plan",
         description="Choose checkpoint regions so one training step fits --budget, print the "
-        "regions and the predicted memory and recompute cost, and save the plan.\n\n"
-        + DESCRIPTION.split("\n\n", 1)[1],
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "regions and the predicted memory and recompute cost, and save the plan.",
     )
-    _model_arguments(plan)
     plan.add_argument(
         "--budget", required=True, help="memory budget of one step: 2GB, 1.5GiB, 512MiB or 50%%"
     )
@@ -395,17 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--show-code", action="store_true", help="print the rewritten module's code")
     plan.set_defaults(run=cmd_plan)
 
-    cmp = commands.add_parser(
+    cmp = model_command(
         "compare",
         help="every solver at several budgets, as a table (and a Pareto plot)",
         description="Run every solver (or --solvers) at every budget on one capture of the "
         "model and print a table: predicted (and with --measure, measured) peak, recompute "
-        "FLOPs, solve time, and the least feasible budget where a solver cannot fit.\n\n"
-        + DESCRIPTION.split("\n\n", 1)[1],
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "FLOPs, solve time, and the least feasible budget where a solver cannot fit.",
     )
-    _model_arguments(cmp)
     cmp.add_argument(
         "--budgets",
         help="comma-separated budgets, e.g. 0.5GB,1GB or 60%%,30%% (default 80%%,60%%,40%%,20%%)",

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from solvers.costgraph import CostGraph, Region, Schedule
+from solvers.cuts import forbidden_cuts
 from solvers.simulate import simulate
 
 
@@ -51,8 +52,11 @@ class Scored:
 
 
 def score_all(graph: CostGraph, max_depth: int | None = None) -> Scored:
+    forbidden = forbidden_cuts(graph)  # in-place writes rule these boundaries out
     out = []
     for family in families(0, len(graph.nodes), 0, max_depth):
+        if any(r.start in forbidden or r.stop in forbidden for r in family):
+            continue
         sim = simulate(graph, Schedule(tuple(family)))
         out.append((sim.recompute_time_s, sim.peak_bytes, tuple(family)))
     return Scored(tuple(out))

@@ -25,7 +25,11 @@ class Node:
     FLOPs follow ``torch.utils.flop_counter`` (0 for pointwise ops); ``*_bytes_accessed``
     is what the op reads and writes, for the roofline runtime estimate.
     ``param_grad_bytes`` are parameter gradients first allocated by this node's backward;
-    they live until the end of the step.
+    they live until the end of the step. ``state_bytes`` are model buffers the node writes in
+    forward (BatchNorm running statistics): a region around it keeps a copy of their pre-step
+    values for its recomputation, and makes one more while recomputing (passes/rewrite.py).
+    ``saves_for_backward``: its forward saves something for backward (an activation, a
+    parameter or an input); when no node says so, ``Tensor.saved_by`` stands in.
     """
 
     name: str
@@ -40,6 +44,8 @@ class Node:
     bwd_temp_bytes: int = 0
     param_grad_bytes: int = 0
     tags: frozenset[str] = frozenset()
+    state_bytes: int = 0
+    saves_for_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,12 @@ class Tensor:
     in backward (0 when it does not require grad). ``is_output`` marks graph outputs, which
     live until backward starts. ``held_to_end`` marks storages something outside autograd keeps
     to the end of the step (autocast's cache of low-precision weight copies); recomputation
-    reuses them instead of allocating them again.
+    reuses them instead of allocating them again. ``written_by`` are the nodes that write it in
+    place in forward (``relu_``, ``x += y``): no region boundary may lie between its producer
+    and such a writer (see ``solvers.cuts.forbidden_cuts``). ``after_last_save``: its producer
+    allocates it after its own last save for backward (a linear's output: autograd saves the
+    inputs before the matmul runs), so a recomputation that stops early at that node never
+    allocates it.
     """
 
     name: str
@@ -63,6 +74,8 @@ class Tensor:
     grad_bytes: int = 0
     is_output: bool = False
     held_to_end: bool = False
+    written_by: tuple[int, ...] = ()
+    after_last_save: bool = False
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,50 @@ def last_need(graph: CostGraph, t_i: int) -> int:
     return max((t.producer, *t.users, *t.saved_by))
 
 
+def forbidden_cuts(graph: CostGraph) -> frozenset[int]:
+    """Cuts no region may begin or end at: c with ``t.producer < c <= w`` for a storage ``t``
+    that node ``w`` writes in place.
+
+    A region starting there would read ``t`` from outside and recompute, in backward, from the
+    value the write left (``passes/rewrite.py`` refuses it); a region ending there is harmless,
+    but forbidding the cut as a whole keeps one rule for every solver.
+    """
+    out: set[int] = set()
+    for t in graph.tensors:
+        if t.written_by:
+            out.update(range(t.producer + 1, max(t.written_by) + 1))
+    return frozenset(out)
+
+
+def allowed_cuts(graph: CostGraph) -> list[bool]:
+    """``allowed_cuts(graph)[c]`` for c in 0..n: may a region boundary lie at cut c."""
+    forbidden = forbidden_cuts(graph)
+    return [c not in forbidden for c in range(len(graph.nodes) + 1)]
+
+
+def region_bounds(graph: CostGraph) -> list[int]:
+    """The distinct cuts a region boundary may use, 0 and n included.
+
+    Cuts on either side of a node that allocates nothing (a view, an in-place op) hold the same
+    storages, so each run of such equivalent cuts is represented once: by its first allowed cut
+    (normally the one right after the allocating node).
+    """
+    n = len(graph.nodes)
+    allocates = [False] * n
+    for t in graph.tensors:
+        allocates[t.producer] |= not t.held_to_end  # held storages are alive on both sides
+    ok = allowed_cuts(graph)
+    bounds: list[int] = []
+    taken = False
+    for c in range(n + 1):
+        if c in (0, n) or allocates[c - 1]:
+            taken = False  # a new run of equivalent cuts starts here
+        if ok[c] and not taken:
+            bounds.append(c)
+            taken = True
+    return bounds
+
+
 def cut_points(graph: CostGraph) -> list[Cut]:
     """Every cut 1..n-1 with the storages crossing it, in O(n + tensors + crossings)."""
     n = len(graph.nodes)
@@ -99,13 +143,20 @@ def block_spans(graph: CostGraph) -> list[tuple[int, int]]:
     spans = [(min(idx), max(idx) + 1) for _, idx in sorted(blocks.items())]
     spans.sort()
     crossing = crossing_bytes(graph)
-    bounds = [spans[0][0]]
+    ok = allowed_cuts(graph)
+    n = len(graph.nodes)
+    # The outer ends move outwards to an allowed cut (0 and n always are).
+    first = max(c for c in range(spans[0][0] + 1) if ok[c])
+    bounds = [first]
     for (_, stop), (nxt, _) in zip(spans, spans[1:]):
         lo, hi = min(stop, nxt), max(stop, nxt)
         lo = max(lo, bounds[-1] + 1)
         hi = max(hi, lo)
-        bounds.append(min(range(lo, hi + 1), key=lambda c: (crossing[c], abs(c - stop))))
-    bounds.append(max(spans[-1][1], bounds[-1] + 1))
+        allowed = [c for c in range(lo, min(hi, n - 1) + 1) if ok[c]]
+        if allowed:  # else the two blocks merge into one span (an in-place write joins them)
+            bounds.append(min(allowed, key=lambda c: (crossing[c], abs(c - stop))))
+    last = max(spans[-1][1], bounds[-1] + 1)
+    bounds.append(min(c for c in range(last, n + 1) if ok[c]))
     return list(zip(bounds, bounds[1:]))
 
 
@@ -113,11 +164,13 @@ def even_cuts(graph: CostGraph, n_segments: int, lo: int = 0, hi: int | None = N
     """Boundaries lo = b0 < b1 < ... < bk = hi splitting [lo, hi) into ~n_segments pieces.
 
     Each inner boundary is the cheapest cut (fewest crossing bytes) within half a segment of
-    the evenly spaced position, so segments follow the model's natural seams.
+    the evenly spaced position, so segments follow the model's natural seams. Cuts forbidden by
+    in-place writes are never used (there may then be fewer pieces).
     """
     hi = len(graph.nodes) if hi is None else hi
     n_segments = max(1, min(n_segments, hi - lo))
     crossing = crossing_bytes(graph)
+    ok = allowed_cuts(graph)
     width = (hi - lo) / n_segments
     bounds = [lo]
     for j in range(1, n_segments):
@@ -126,6 +179,12 @@ def even_cuts(graph: CostGraph, n_segments: int, lo: int = 0, hi: int | None = N
         b = min(hi - (n_segments - j), math.floor(target + width / 2))
         if a > b:
             a = b = max(bounds[-1] + 1, min(round(target), hi - (n_segments - j)))
-        bounds.append(min(range(a, b + 1), key=lambda c: (crossing[c], abs(c - target))))
+        window = [c for c in range(a, min(b, hi - 1) + 1) if ok[c]]
+        if not window:  # in-place writes forbid the window: the nearest allowed cut instead
+            rest = [c for c in range(bounds[-1] + 1, hi) if ok[c]]
+            if not rest:
+                break
+            window = [min(rest, key=lambda c: abs(c - target))]
+        bounds.append(min(window, key=lambda c: (crossing[c], abs(c - target))))
     bounds.append(hi)
     return bounds

@@ -39,16 +39,19 @@ import numpy as np
 
 from solvers.common import finish
 from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import crossing_bytes
+from solvers.cuts import allowed_cuts, block_spans, crossing_bytes, even_cuts, region_bounds
 from solvers.errors import InfeasibleBudgetError
 from solvers.registry import register
 from solvers.selective import out_bytes, worth_keeping
-from solvers.simulate import simulate
+from solvers.simulate import gradient_bytes, simulate
 
 INF = math.inf
 DEFAULT_SPAN = 8
 DEFAULT_COARSE = 24
 DEFAULT_GRID = 2048
+# A long region crosses at most this many coarse cuts (4 transformer blocks): longer ones
+# multiply the states (every cut of the region, for each length) for little gain.
+DEFAULT_COARSE_SPAN = 8
 
 
 @dataclass(frozen=True)
@@ -72,46 +75,47 @@ class _Prices:
     grad_after: tuple[int, ...]  # the same once node i's backward is done (index n: none done)
     held_fwd: tuple[int, ...]  # bytes held to the end of the step, alive at node i's forward
     keepable: tuple[bool, ...]  # outputs a selective region would keep (solvers/selective.py)
+    bounds: tuple[int, ...]  # cuts a region boundary may use (solvers/cuts.py region_bounds)
+    grad_at_raw: tuple[int, ...] = ()  # grad_at_bwd and grad_after in bytes, for differences
+    grad_after_raw: tuple[int, ...] = ()
+
+    def grad_rel(self, at: int, b: int) -> int:
+        """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
+        The difference is rounded, not the two ends: equal blocks get equal numbers."""
+        return -(-(self.grad_at_raw[at] - self.grad_after_raw[b]) // self.unit_bytes)
+
+    def grad_after_rel(self, j: int, b: int) -> int:
+        """Units of gradient bytes once ``j``'s backward is done above those after ``b``'s."""
+        return -(-(self.grad_after_raw[j] - self.grad_after_raw[b]) // self.unit_bytes)
 
 
 def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
     n = len(graph.nodes)
     produced: list[list[int]] = [[] for _ in range(n)]
     saves: list[set[int]] = [set() for _ in range(n)]
-    used: list[set[int]] = [set() for _ in range(n)]
     # Storages held to the end of the step (autocast's weight copies) are alive from their
     # producer on and never recomputed: a function of position, like the gradient buffers.
     held_from = [0] * n
     for t_i, t in enumerate(graph.tensors):
-        if getattr(t, "held_to_end", False):
+        if t.held_to_end:
             held_from[t.producer] += t.size_bytes
             continue
         produced[t.producer].append(t_i)
         for s in t.saved_by:
             saves[s].add(t_i)
-    for t_i, t in enumerate(graph.tensors):
-        for u in t.users:
-            used[u].add(t_i)
     held_prefix, total = [], 0
     for b in held_from:
         total += b
         held_prefix.append(total)
     # Gradient buffers follow reverse node order whatever the schedule, so they are a
-    # function of position only (the same bookkeeping as simulate's backward).
+    # function of position only (simulate's own bookkeeping).
+    alloc, free = gradient_bytes(graph)
     grad_at, grad_after = [0] * n, [0] * (n + 1)
-    grads: set[int] = set()
     live = 0
     for i in range(n - 1, -1, -1):
-        for t_i in used[i]:
-            t = graph.tensors[t_i]
-            if t.grad_bytes and t_i not in grads:
-                grads.add(t_i)
-                live += t.grad_bytes
-        live += graph.nodes[i].param_grad_bytes
+        live += alloc[i]
         grad_at[i] = live
-        for t_i in produced[i]:
-            if t_i in grads:
-                live -= graph.tensors[t_i].grad_bytes
+        live -= free[i]
         grad_after[i] = live
     out = out_bytes(graph)
     times = [graph.node_time_s(i) for i in range(n)]
@@ -143,12 +147,26 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         grad_after=tuple(units(g + total) for g in grad_after),
         held_fwd=tuple(units(h) for h in held_prefix),
         keepable=tuple(worth_keeping(graph, i, out) for i in range(n)),
+        bounds=tuple(region_bounds(graph)),
+        grad_at_raw=tuple(g + total for g in grad_at),
+        grad_after_raw=tuple(g + total for g in grad_after),
     )
+
+
+def _value_array(size: int, fill: float = INF) -> np.ndarray:
+    """A value vector of ``size`` entries stored as the second half of an array whose first
+    half is INF, so that shifting it right (``_shifted``) is a view, not a copy."""
+    padded = np.full(2 * size, INF)
+    padded[size:] = fill
+    return padded[size:]
 
 
 def _shifted(v: np.ndarray, k: int) -> np.ndarray:
     """``w[m] = v[m - k]`` (INF where m - k < 0; v[-1] where m - k is past the end)."""
     size = len(v)
+    padded = v.base
+    if 0 <= k < size and padded is not None and padded.shape == (2 * size,):
+        return padded[size - k : 2 * size - k]  # v made by _value_array: a view
     if k <= 0:
         return np.concatenate((v[-k:], np.full(min(-k, size), v[-1])))[:size]
     if k >= size:
@@ -170,9 +188,10 @@ class _Programme:
         self, p: _Prices, coarse: list[int], max_span: int, max_depth: int | None, grid: int
     ) -> None:
         self.p = p
-        # Region boundaries only after nodes that allocate: a cut after a view is the same cut
-        # as the one before it, and skipping it leaves fewer states.
-        self.bounds = [c for c in range(p.n + 1) if c in (0, p.n) or p.produced[c - 1]]
+        # Region boundaries only after nodes that allocate (a cut after a view is the same cut
+        # as the one before it, and skipping it leaves fewer states), never where an in-place
+        # write forbids them.
+        self.bounds = list(p.bounds)
         self.is_bound = [False] * (p.n + 1)
         for c in self.bounds:
             self.is_bound[c] = True
@@ -185,6 +204,7 @@ class _Programme:
         for c in self.coarse:
             self.is_coarse[c] = True
         self.max_span = max_span
+        self.coarse_span = len(self.coarse)  # long regions cross at most this many coarse cuts
         self.max_depth = max_depth
         self.selective = True
         self.size = grid + 1  # V[m] for m = 0..grid units
@@ -194,7 +214,7 @@ class _Programme:
         self._interned: dict[tuple, int] = {}
         self._last: dict[tuple[int, int, bool], int] = {}
         self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
-        self._end = np.zeros(self.size)
+        self._end = _value_array(self.size, 0.0)
         self._keys: dict[tuple, tuple] = {}
 
     # -- static pieces ---------------------------------------------------------------------
@@ -205,6 +225,8 @@ class _Programme:
         if got is None:
             if root and self.p.is_output[t]:
                 got = self.p.n  # an output lives until backward starts
+            elif not root and self.p.needers[t] and self.p.needers[t][-1] >= b:
+                got = b - 1  # a recomputed region output lives until recomputation ends
             else:
                 ns = self.p.needers[t]
                 k = bisect.bisect_left(ns, b)
@@ -236,10 +258,6 @@ class _Programme:
                 alive -= ends.pop(i, 0)
             self._wmax[key] = got
         return got
-
-    def base(self, b: int, root: bool) -> int:
-        """Gradient bytes live while a region ending at ``b`` is recomputed (0 at the root)."""
-        return 0 if root else self.p.grad_after[b]
 
     def selective_option(self, c, j, b, crossing, best, choice, options):
         """Nodes [c, j) as a selective region at the root: the outputs of ``keepable`` nodes
@@ -316,7 +334,7 @@ class _Programme:
                 ("selective", c, j, tuple(keep), self.key(j, b, nxt, root, True, 0), kept_bytes)
             )
             choice[better] = len(options) - 1
-            best = np.where(better, v, best)
+            np.minimum(best, v, out=best)
         return best
 
     def region_ends(self, c: int, b: int) -> list[int]:
@@ -326,7 +344,8 @@ class _Programme:
         ends = [j for j in self.bounds[k : k + self.max_span] if j <= b]
         if self.is_coarse[c] and ends:
             k = bisect.bisect_right(self.coarse, ends[-1])
-            ends += [j for j in self.coarse[k:] if j <= b]
+            top = bisect.bisect_right(self.coarse, c) + self.coarse_span
+            ends += [j for j in self.coarse[k:top] if j <= b]
         return ends
 
     # -- state keys --------------------------------------------------------------------------
@@ -336,30 +355,38 @@ class _Programme:
             p.size[t],
             tuple(u - b for u in p.needers[t] if u < b),
             tuple(sorted(s - b for s in p.savers[t] if s < b)),
+            bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
         )
 
     def suffix_id(self, c: int, b: int) -> int:
-        """Interned description of nodes [c, b) relative to ``b`` and to its gradient base."""
+        """Interned description of nodes [c, b) relative to ``b`` and to its gradient base.
+        Built from ``b`` down without recursion, so long contexts share work too."""
         got = self._suffix.get((c, b))
-        if got is None:
-            p = self.p
-            if c == b:
-                desc: tuple = ("end", self.is_coarse[b])
-            else:
-                base = p.grad_after[b]
-                desc = (
-                    p.fwd_temp[c],
-                    p.bwd_temp[c],
-                    p.time_s[c],
-                    p.grad_at_bwd[c] - base,
-                    p.grad_after[c] - base,
-                    self.is_coarse[c],
-                    tuple(self._tensor_sig(t, b) for t in p.produced[c]),
-                    self.suffix_id(c + 1, b),
-                )
-            got = self._interned.setdefault(desc, len(self._interned))
-            self._suffix[(c, b)] = got
-        return got
+        if got is not None:
+            return got
+        p = self.p
+        todo, i = [], c
+        while i < b and (i, b) not in self._suffix:
+            todo.append(i)
+            i += 1
+        if i == b and (b, b) not in self._suffix:
+            desc: tuple = ("end", self.is_coarse[b])
+            self._suffix[(b, b)] = self._interned.setdefault(desc, len(self._interned))
+        nxt = self._suffix[(i, b)]
+        for i in reversed(todo):
+            desc = (
+                p.fwd_temp[i],
+                p.bwd_temp[i],
+                p.time_s[i],
+                p.grad_rel(i, b),
+                p.grad_after_rel(i, b),
+                self.is_coarse[i],
+                self.is_bound[i],
+                tuple(self._tensor_sig(t, b) for t in p.produced[i]),
+                nxt,
+            )
+            nxt = self._suffix[(i, b)] = self._interned.setdefault(desc, len(self._interned))
+        return nxt
 
     def key(self, c, b, crossing, root, whole_ok, depth):
         if c == b:
@@ -374,8 +401,6 @@ class _Programme:
     def _key(self, c, b, crossing, root, whole_ok, d):
         if root:
             return ("root", c, crossing, d)
-        if b - c > 400:  # keep the hash-consing recursion shallow on very long contexts
-            return ("at", c, b, crossing, whole_ok, d)
         cross = tuple((self._tensor_sig(t, b), kept) for t, kept in crossing)
         return (self.suffix_id(c, b), cross, whole_ok, d)
 
@@ -386,7 +411,7 @@ class _Programme:
         own, saves = p.produced[i], p.saves[i]
         fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
         fwd += p.held_fwd[i] if root else 0
-        bwd = p.grad_at_bwd[i] - self.base(b, root) + p.bwd_temp[i]
+        bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
         bwd += sum(p.size[t] for t, kept in crossing if kept or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
         kept_bytes, nxt = 0, []
@@ -422,16 +447,15 @@ class _Programme:
             more, kept_more, nxt = self.step(i, b, nxt, root)
             need = max(need, kept_bytes + more)
             kept_bytes += kept_more
-        best = np.full(size, INF)
+        best = _value_array(size)
         if need < size:
             rest = self.value(stop, b, nxt, root, True, depth)
-            best = _shifted(rest, kept_bytes)
+            best[:] = _shifted(rest, kept_bytes)
             best[:need] = INF
             options.append(("run", stop, self.key(stop, b, nxt, root, True, depth), kept_bytes))
         choice = np.zeros(size, np.int32)
         # Nodes [c, j) form a region, for each allowed end j.
         if self.max_depth is None or depth < self.max_depth:
-            base = self.base(b, root)
             cross_bytes = sum(p.size[t] for t, _ in crossing)
             ends = self.region_ends(c, b)
             peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c)
@@ -463,7 +487,7 @@ class _Programme:
                 rest = self.value(j, b, nxt, root, True, depth)
                 if rest[-1] == INF:
                     continue
-                inner_shift = held + p.grad_after[j] - base
+                inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
                 v = _shifted(inner, inner_shift) + _shifted(rest, kept_bytes)
                 v += p.prefix_time_s[j] - p.prefix_time_s[c]
                 v[:fwd] = INF
@@ -481,7 +505,7 @@ class _Programme:
                         )
                     )
                     choice[better] = len(options) - 1
-                    best = np.where(better, v, best)
+                    np.minimum(best, v, out=best)
         self.memo[key] = (best, c, options, choice)
         return best
 
@@ -512,14 +536,29 @@ class _Programme:
 
 
 def coarse_cut_points(graph: CostGraph, count: int | None) -> list[int]:
-    """The ``count`` cheapest cuts (fewest crossing bytes): where long regions may begin and end.
-    None: one per 8 nodes, at most DEFAULT_COARSE (about two per transformer block)."""
+    """Where long regions may begin and end: every repeated block's boundaries and its
+    cheapest inner cut (a transformer block's attention/MLP seam), plus ``count`` cuts spread
+    evenly, each the cheapest (fewest crossing bytes) near its even position. None: one per 8
+    nodes, at most DEFAULT_COARSE. Not the globally cheapest cuts: those bunch up (in the
+    embedding or the head, or all at the start of a uniform chain), where long regions help
+    least."""
     n = len(graph.nodes)
     if count is None:
         count = min(DEFAULT_COARSE, max(2, n // 8))
+    seeds: set[int] = set()
+    for a, b in block_spans(graph):
+        seeds |= set(even_cuts(graph, 2, a, b)) if b - a >= 2 else {a, b}
+    # A whole-number stride, so equal stretches (a uniform chain) get equally spaced cuts and
+    # the programme's states for them coincide (shared by hash-consing).
+    stride = max(1, round(n / max(1, count)))
     crossing = crossing_bytes(graph)
-    inner = sorted(range(1, n), key=lambda c: (crossing[c], c))[: max(0, count)]
-    return sorted({0, n, *inner})
+    ok = allowed_cuts(graph)  # in-place writes forbid some cuts
+    for target in range(stride, n, stride):
+        lo, hi = max(1, target - stride // 2), min(n, target + (stride + 1) // 2)
+        window = [c for c in range(lo, hi) if ok[c]]
+        if window:
+            seeds.add(min(window, key=lambda c: (crossing[c], abs(c - target))))
+    return sorted({0, n, *seeds})
 
 
 @dataclass(frozen=True)
@@ -557,6 +596,7 @@ def solve_all(
     max_depth: int | None = None,
     grid: int = DEFAULT_GRID,
     selective: bool = True,
+    coarse_span: int = DEFAULT_COARSE_SPAN,
 ) -> Solved:
     """Run the programme once for every budget up to ``cap_bytes``. ``selective`` also offers
     selective regions (kept matmul outputs) between coarse cuts at the top level."""
@@ -567,6 +607,7 @@ def solve_all(
         p, coarse_cut_points(graph, coarse_cuts), span, max_depth, int(cap_bytes // unit)
     )
     prog.selective = selective
+    prog.coarse_span = coarse_span
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
     try:
@@ -610,22 +651,34 @@ def solve_dp(
     max_depth: int | None = None,
     grid: int = DEFAULT_GRID,
     selective: bool = False,
+    coarse_span: int = DEFAULT_COARSE_SPAN,
     **opts,
 ) -> Schedule:
     """Least recompute time within the budget over nested regions.
 
     A region may span up to ``max_span`` nodes from any cut, or run between two of the
-    ``coarse_cuts`` cheapest cuts; with ``max_span=None`` (or a graph no longer than it) every
-    interval is allowed. ``grid`` bounds the memory steps (bytes are rounded up to
-    budget / grid; exact when that is 1). ``max_depth`` caps the nesting (None: any depth).
-    ``selective`` also offers selective regions between coarse cuts (off by default until
-    ``simulate`` stops leaking what skipped nodes read in selective recomputation; when it
-    disagrees the programme answers again without them).
+    coarse cuts (block boundaries and ``coarse_cuts`` spread ones) at most ``coarse_span``
+    coarse cuts apart; with ``max_span=None`` (or a graph no longer than it) every interval is
+    allowed. ``grid`` bounds the memory steps (bytes are rounded up to budget / grid; exact
+    when that is 1). ``max_depth`` caps the nesting (None: any depth). ``selective`` also
+    offers selective regions between coarse cuts (off by default: see the notes in
+    BENCHMARKS.md; when ``simulate`` disagrees the programme answers again without them).
+
+    Feasibility is monotone in the budget: when the budget's own grid finds nothing that
+    ``simulate`` fits (rounding up, or a model disagreement), the least-memory schedule (one
+    schedule, whatever the budget) answers if it fits, and its peak is the least budget the
+    error states. So every budget above a stated least is planned.
     """
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
-    kw = dict(max_span=max_span, coarse_cuts=coarse_cuts, max_depth=max_depth, grid=grid)
+    kw = dict(
+        max_span=max_span,
+        coarse_cuts=coarse_cuts,
+        max_depth=max_depth,
+        grid=grid,
+        coarse_span=coarse_span,
+    )
     every = max_span is None or len(graph.nodes) <= max_span
     note = "every interval" if every else f"spans <= {max_span} boundaries or coarse cuts"
     if max_depth is not None:
@@ -633,23 +686,15 @@ def solve_dp(
     for with_selective in (True, False) if selective else (False,):
         solved = solve_all(graph, min(float(budget_bytes), eager), selective=with_selective, **kw)
         schedule = solved.schedule(budget_bytes)
+        if schedule is None or simulate(graph, schedule).peak_bytes > budget_bytes:
+            continue  # rounding lost it, or simulate prices selective recomputation higher
+        if solved.unit_bytes > 1:
+            note += f", bytes rounded up to {solved.unit_bytes}"
         exact = every and solved.unit_bytes == 1
-        if schedule is None:
-            # Rounding bytes up can miss a budget right at the least peak; that schedule,
-            # found on the eager-peak grid, still settles it.
-            least, schedule = least_memory_schedule(graph, selective=with_selective, **kw)
-            if least > budget_bytes:
-                if with_selective:
-                    continue
-                raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
-            note += ", least-memory schedule"
-            exact = exact and least == budget_bytes
-        if not any(r.kind == "selective" for r in schedule.regions):
-            break
-        if simulate(graph, schedule).peak_bytes <= budget_bytes:
-            break
-        # simulate prices selective recomputation above this model: answer without it
-        note += ", no selective regions (simulate disagrees)"
-    if solved.unit_bytes > 1:
-        note += f", bytes rounded up to {solved.unit_bytes}"
+        return finish(graph, budget_bytes, schedule.regions, "dp", note, gap=0.0 if exact else None)
+    least, schedule = least_memory_schedule(graph, **kw, selective=False)
+    if least > budget_bytes:
+        raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
+    exact = every and eager <= grid and least == budget_bytes
+    note += ", least-memory schedule"
     return finish(graph, budget_bytes, schedule.regions, "dp", note, gap=0.0 if exact else None)

@@ -11,19 +11,24 @@ from __future__ import annotations
 
 from solvers.common import finish
 from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import crossing_bytes
+from solvers.cuts import allowed_cuts, crossing_bytes
 from solvers.errors import InfeasibleBudgetError
 from solvers.registry import register
 from solvers.simulate import simulate
 
 
 def seams(graph: CostGraph) -> list[int]:
-    """Cuts where the crossing bytes are a local minimum (ties included)."""
+    """Cuts where the crossing bytes are a local minimum (ties included), among those in-place
+    writes allow."""
     n = len(graph.nodes)
     crossing = crossing_bytes(graph)
+    ok = allowed_cuts(graph)
+    cuts = [c for c in range(n + 1) if ok[c]]  # 0 and n always
     return [
-        c for c in range(1, n) if crossing[c] <= crossing[c - 1] and crossing[c] <= crossing[c + 1]
-    ] or list(range(1, n))
+        c
+        for prev, c, nxt in zip(cuts, cuts[1:], cuts[2:])
+        if crossing[c] <= crossing[prev] and crossing[c] <= crossing[nxt]
+    ] or cuts[1:-1]
 
 
 def kept_bytes(graph: CostGraph) -> list[int]:

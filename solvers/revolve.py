@@ -1,13 +1,20 @@
-"""``revolve``: recursive checkpointing as nested regions (Griewank & Walther; Chen's O(log N)).
+"""``revolve``: binomial checkpointing (Griewank & Walther 2000) as nested regions.
 
-The graph's units (its repeated blocks, else segments at cheap cuts) are split into ``k``
-regions; each region is split again into ``k`` nested regions, down to ``depth`` levels (below
-one block, a block is split at its cheapest cuts). Memory falls towards O(k log_k N) while each
-level adds one more recomputation of what lies inside it. Every (k, depth) is scored by
-``simulate`` and the cheapest schedule within budget wins.
+With ``s`` snapshots and ``t`` forward sweeps a chain of up to beta(s, t) = C(s + t, s) units
+can be differentiated, and this is the most any schedule reaches. The optimal partition follows
+beta(s, t) = sum over j = 0..s of beta(s - j, t - 1): the chain splits into s + 1 consecutive
+regions, region j being beta(s - j, t - 1) units long. In backward the last region is handled
+first while the inputs of the others are held, so region j has s - j snapshots left; inside it
+(one sweep used up by its recomputation) the same partition repeats one level deeper.
+
+Units are the graph's repeated blocks cut in two, else segments at cheap cuts. Every s (t the
+least with beta(s, t) >= the number of units) is scored by ``simulate`` and the cheapest
+schedule within budget wins: few snapshots mean deep nesting, less memory, more recomputation.
 """
 
 from __future__ import annotations
+
+from math import comb
 
 from solvers.common import finish
 from solvers.costgraph import CostGraph, Region, Schedule
@@ -17,59 +24,84 @@ from solvers.registry import register
 from solvers.simulate import simulate
 
 
-def _split(bounds: list[int], k: int) -> list[list[int]]:
-    """Split a list of boundaries (len m+1 for m units) into up to k contiguous groups."""
-    m = len(bounds) - 1
-    k = max(1, min(k, m))
-    edges = [round(j * m / k) for j in range(k + 1)]
-    return [bounds[a : b + 1] for a, b in zip(edges, edges[1:]) if b > a]
+def beta(s: int, t: int) -> int:
+    """Most units ``s`` snapshots and ``t`` sweeps can handle: C(s + t, s)."""
+    return comb(s + t, s)
 
 
-def nested(graph: CostGraph, bounds: list[int], k: int, depth: int, level: int = 0) -> list[Region]:
-    """Regions splitting [bounds[0], bounds[-1]) k ways, recursively ``depth`` levels deep."""
-    if depth == 0:
+def least_sweeps(s: int, n_units: int) -> int:
+    """The least t with beta(s, t) >= n_units."""
+    t = 0
+    while beta(s, t) < n_units:
+        t += 1
+    return t
+
+
+def partition(lo: int, hi: int, s: int, t: int) -> list[tuple[int, int, int]]:
+    """Units [lo, hi) split binomially: (start, stop, snapshots left) per region, in order.
+
+    Region j is beta(s - j, t - 1) units long; when [lo, hi) is shorter than beta(s, t) the
+    regions are filled from the left and the last one takes what remains.
+    """
+    out, a = [], lo
+    for j in range(s + 1):
+        if a >= hi:
+            break
+        b = hi if j == s else min(hi, a + beta(s - j, t - 1))
+        out.append((a, b, s - j))
+        a = b
+    return out
+
+
+def nested(bounds: list[int], s: int, t: int, depth: int = 0) -> list[Region]:
+    """Regions of the binomial schedule over units ``bounds[0..]`` (node boundaries)."""
+    n_units = len(bounds) - 1
+    if n_units < 1 or t < 1:
         return []
+    parts = partition(0, n_units, s, t)
     out: list[Region] = []
-    groups = _split(bounds, k)
-    for group in groups:
-        lo, hi = group[0], group[-1]
-        if len(groups) > 1 or level == 0:
-            out.append(Region(lo, hi, depth=level))
-            inner_level = level + 1
-        else:
-            inner_level = level  # a single group would repeat its parent
-        inner = group if len(group) > 2 else even_cuts(graph, k, lo, hi)
-        if hi - lo > 1 and len(inner) > 2:
-            out += nested(graph, inner, k, depth - 1, inner_level)
+    for a, b, left in parts:
+        inner_depth = depth
+        if len(parts) > 1 or depth == 0:  # one part equal to its parent would repeat it
+            out.append(Region(bounds[a], bounds[b], depth))
+            inner_depth = depth + 1
+        if b - a > 1:
+            out += nested(bounds[a : b + 1], left, t - 1, inner_depth)
     return out
 
 
 def units(graph: CostGraph) -> list[int]:
+    """Unit boundaries: each repeated block halved at its cheapest inner cut (a transformer
+    block's attention and MLP), as one block's backward, not the snapshots, is what bounds the
+    peak of a deep schedule; without blocks, 16 segments at cheap cuts."""
     spans = block_spans(graph)
     if len(spans) >= 2:
-        return [spans[0][0]] + [stop for _, stop in spans]
+        return sorted({c for a, b in spans for c in even_cuts(graph, min(2, b - a), a, b)})
     return even_cuts(graph, 16)
 
 
 @register("revolve")
 def solve_revolve(
-    graph: CostGraph, budget_bytes: float, k: int | None = None, depth: int | None = None, **opts
+    graph: CostGraph, budget_bytes: float, snapshots: int | None = None, **opts
 ) -> Schedule:
+    """The cheapest binomial schedule within budget over the snapshot counts (or the given)."""
     bounds = units(graph)
-    ks = [k] if k else [2, 3, 4, 6, 8]
-    depths = [depth] if depth else [1, 2, 3, 4, 5]
+    n_units = len(bounds) - 1
+    counts = [snapshots] if snapshots else range(1, max(1, n_units) + 1)
     best, least = None, None
-    for kk in ks:
-        for d in depths:
-            regions = tuple(nested(graph, bounds, kk, d))
-            if not regions:
-                continue
-            sim = simulate(graph, Schedule(regions))
-            least = sim.peak_bytes if least is None else min(least, sim.peak_bytes)
-            if sim.peak_bytes <= budget_bytes:
-                key = (sim.recompute_time_s, sim.peak_bytes, regions, kk, d)
-                if best is None or key[:2] < best[:2]:
-                    best = key
+    for s in counts:
+        t = least_sweeps(s, n_units)
+        regions = tuple(nested(bounds, s, t))
+        if not regions:
+            continue
+        sim = simulate(graph, Schedule(regions))
+        least = sim.peak_bytes if least is None else min(least, sim.peak_bytes)
+        if sim.peak_bytes <= budget_bytes:
+            key = (sim.recompute_time_s, sim.peak_bytes, regions, s, t)
+            if best is None or key[:2] < best[:2]:
+                best = key
     if best is None:
         raise InfeasibleBudgetError(budget_bytes, least or 0, "(solver 'revolve')")
-    return finish(graph, budget_bytes, best[2], "revolve", f"{best[3]}-way, depth {best[4]}")
+    s, t = best[3], best[4]
+    note = f"binomial, {s} snapshots, {t} sweeps, beta = {beta(s, t)} >= {n_units} units"
+    return finish(graph, budget_bytes, best[2], "revolve", note)

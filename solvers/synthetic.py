@@ -33,9 +33,12 @@ class GraphBuilder:
         grad: bool = True,
         fwd_temp_bytes: int = 0,
         bwd_temp_bytes: int = 0,
+        writes: tuple[str, ...] = (),
     ) -> str:
         """Node ``name`` reading ``reads`` and saving ``saves`` (storage names; "name" is its
-        own output) and allocating an output of ``out_bytes`` plus ``extra`` storages."""
+        own output) and allocating an output of ``out_bytes`` plus ``extra`` storages.
+        ``writes``: storages among ``reads`` it writes in place (an in-place op allocates
+        nothing: give it ``out_bytes=0``)."""
         i = len(self.nodes)
         outs = {name: out_bytes, **(extra or {})}
         for t_name, size in outs.items():
@@ -49,6 +52,7 @@ class GraphBuilder:
                         users=[],
                         saved_by=[],
                         grad_bytes=size if grad else 0,
+                        written_by=[],
                     )
                 )
         in_idx = []
@@ -58,6 +62,8 @@ class GraphBuilder:
             in_idx.append(t["producer"])
         for s in saves:
             self.tensors[self.by_name[s]]["saved_by"].append(i)
+        for w in writes:
+            self.tensors[self.by_name[w]]["written_by"].append(i)
         moved = sum(self.tensors[self.by_name[r]]["size_bytes"] for r in reads) + out_bytes
         self.nodes.append(
             Node(
@@ -89,6 +95,7 @@ class GraphBuilder:
                 t["grad_bytes"],
                 t["name"] in outputs,
                 held_to_end=t["name"] in held_to_end,
+                written_by=tuple(t["written_by"]),
             )
             for t in self.tensors
         )
@@ -347,3 +354,27 @@ def random_dag(rng: random.Random, n: int, max_bytes: int = 64, skip_p: float = 
     return g.build(
         outputs=(f"n{n - 1}",), held_to_end=tuple(held), flops_per_s=1.0, bytes_per_s=1e9
     )
+
+
+def random_inplace_chain(rng: random.Random, n: int, max_bytes: int = 64) -> CostGraph:
+    """A chain in which about a third of the nodes are in-place ops (``relu_``): they allocate
+    nothing and write the storage the chain last allocated, as ``x = relu_(linear(x))`` does."""
+    g = GraphBuilder()
+    current: str | None = None  # the storage the chain's value lives in
+    for i in range(n):
+        reads = (current,) if current else ()
+        if current and rng.random() < 0.35:
+            g.add(f"n{i}", reads=reads, saves=reads, writes=reads)  # writes, allocates nothing
+            continue
+        saves = tuple(s for s in reads if rng.random() < 0.7)
+        g.add(
+            f"n{i}",
+            reads=reads,
+            saves=saves,
+            out_bytes=rng.randint(1, max_bytes),
+            fwd_flops=rng.randint(0, 100),
+            param_grad_bytes=rng.choice((0, 0, rng.randint(1, 8))),
+            bwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
+        )
+        current = f"n{i}"
+    return g.build(outputs=(current,), flops_per_s=1.0, bytes_per_s=1e9)

@@ -8,6 +8,7 @@ from passes.capture import capture
 from passes.estimate import compute_nodes, estimate
 from planner.measure import measure
 from solvers.costgraph import Region, Schedule
+from solvers.cuts import forbidden_cuts
 from solvers.simulate import simulate
 
 F32 = 4
@@ -36,6 +37,27 @@ def test_linear_relu_chain_bytes_exact():
     # Parameter gradients appear in the backward of the node that uses the parameters.
     assert [n.param_grad_bytes for n in graph.nodes] == [(8 * 4 + 8) * F32, 0, (2 * 8 + 2) * F32]
     assert graph.nodes[2].inputs == (1,)
+
+
+def test_in_place_writes_are_recorded_on_the_storage_they_write():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.relu_(self.fc1(x))  # writes fc1's output
+            y = self.fc2(h)
+            y += h  # writes fc2's output
+            return y
+
+    _, graph = _estimate(Net(), torch.randn(3, 4))
+    names = [n.name for n in graph.nodes]
+    written = {t.name.split(":")[0]: [names[w] for w in t.written_by] for t in graph.tensors}
+    assert written["linear"] == ["relu_"]
+    assert written["linear_1"] == ["add_"]
+    # Cuts between each producer and its writer are forbidden; the rest are allowed.
+    assert sorted(forbidden_cuts(graph)) == [names.index("relu_"), names.index("add_")]
 
 
 def test_matmul_flops():
@@ -126,6 +148,41 @@ def test_every_block_checkpoint_matches_measurement():
     measured = measure(model, x).peak_bytes
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
     assert predicted < simulate(graph, Schedule()).peak_bytes
+
+
+@pytest.mark.parametrize(
+    "regions, norm",
+    [
+        # The recomputation stops at dropout's save of its mask: its output is never made.
+        ([Region(0, 3)], False),
+        # Nested: the outer region recomputes its inner ones whole.
+        ([Region(0, 2), Region(0, 1, 1), Region(1, 2, 1), Region(2, 5), Region(2, 3, 1)], False),
+        # Three deep (revolve's shape): a recomputation stops as its last nested region saves
+        # its arguments, and those arguments die once that region's own recomputation ends.
+        (
+            [Region(0, 6), Region(0, 3, 1), Region(3, 5, 1), Region(5, 6, 1), Region(6, 7)]
+            + [Region(k, k + 1, 2) for k in range(5)],
+            False,
+        ),
+        # BatchNorm: the region keeps pre-step copies of the running statistics.
+        ([Region(0, 4)], True),
+        # ... and a nested one must not keep its activation inputs alive with those copies.
+        ([Region(0, 5), Region(1, 3, 1)], True),
+    ],
+    ids=["early-stop", "nested", "nested-deep", "batchnorm", "nested-batchnorm"],
+)
+def test_checkpointed_residual_stage_matches_measurement(regions, norm):
+    from planner.plan import build_plan
+    from tests.models_zoo import LayerSpec, NetSpec, spec_model
+
+    spec = NetSpec(d_in=8, batch=100, layers=(LayerSpec("residual", 40, True, norm),), seed=1)
+    model, x = spec_model(spec)
+    captured, graph = _estimate(model, x)
+    schedule = Schedule(tuple(regions))
+    predicted = simulate(graph, schedule).peak_bytes
+    planned = build_plan(captured.module, graph, schedule, predicted)
+    measured = measure(planned.module, x).peak_bytes
+    assert measured <= predicted <= 1.01 * measured, (predicted, measured)
 
 
 def test_autocast_sizes_follow_real_dtypes():

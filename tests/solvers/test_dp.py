@@ -128,4 +128,20 @@ def test_dp_is_fast_on_a_long_uniform_chain():
     s = solve_dp(graph, eager / 4)
     elapsed = time.perf_counter() - start
     assert simulate(graph, s).peak_bytes <= eager / 4
-    assert elapsed < 10  # measured ~1 s; generous for slow CI machines
+    assert elapsed < 3  # the issue asks for 1 s: measured 0.85-1.1 s on a busy 2-core machine
+
+
+def test_dp_plans_every_budget_above_the_least_it_states():
+    """Feasibility is monotone: rounding to a budget's grid never refuses a budget above the
+    least feasible one the error stated, nor one a hair above it."""
+    graph = gpt_like_graph(n_layer=4, d_model=64, seq_len=128, batch=2, vocab=128)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve_dp(graph, 1)
+    least = e.value.min_bytes
+    eager = simulate(graph, Schedule()).peak_bytes
+    assert least < eager / 2
+    budgets = [least, least + 1, least + 7] + [least + (eager - least) * k // 9 for k in range(10)]
+    for budget in budgets:
+        assert simulate(graph, solve_dp(graph, budget)).peak_bytes <= budget
+    with pytest.raises(InfeasibleBudgetError):
+        solve_dp(graph, least - 1)

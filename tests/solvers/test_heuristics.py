@@ -7,6 +7,7 @@ import pytest
 from solvers.costgraph import Schedule
 from solvers.errors import InfeasibleBudgetError
 from solvers.registry import get_solver
+from solvers.revolve import beta, nested
 from solvers.selective import out_bytes, worth_keeping
 from solvers.simulate import simulate
 from solvers.synthetic import gpt_like_graph
@@ -36,13 +37,44 @@ def test_greedy_spends_less_with_more_budget():
     assert loose < tight
 
 
-def test_revolve_nests_to_reach_low_budgets():
-    every_block = simulate(GPT, get_solver("uniform")(GPT, EAGER)).peak_bytes
-    s = get_solver("revolve")(GPT, every_block)
-    assert simulate(GPT, s).peak_bytes <= every_block
-    deep = get_solver("revolve")(GPT, EAGER, k=2, depth=3)
-    assert max(r.depth for r in deep.regions) == 2
-    assert simulate(GPT, deep).peak_bytes < every_block
+def test_revolve_partitions_binomially():
+    # beta(s, t) = C(s + t, s) = sum of beta(s - j, t - 1): six units, two snapshots, two sweeps
+    assert [beta(s, t) for s, t in ((2, 2), (1, 3), (3, 1), (0, 5))] == [6, 4, 4, 1]
+    for s in range(5):
+        for t in range(1, 5):
+            assert sum(beta(s - j, t - 1) for j in range(s + 1)) == beta(s, t)
+    got = [(r.start, r.stop, r.depth) for r in nested(list(range(0, 70, 10)), 2, 2)]
+    assert got == [
+        (0, 30, 0),  # beta(2, 1) = 3 units, two snapshots left inside: one unit each
+        (0, 10, 1),
+        (10, 20, 1),
+        (20, 30, 1),
+        (30, 50, 0),  # beta(1, 1) = 2 units
+        (30, 40, 1),
+        (40, 50, 1),
+        (50, 60, 0),  # beta(0, 1) = 1 unit
+    ]
+
+
+def test_revolve_trades_recomputation_for_memory_and_fits_budgets():
+    every_block = simulate(GPT, get_solver("uniform")(GPT, EAGER))
+    # Units are half blocks (attention, MLP). As many snapshots as units: one sweep, every
+    # unit its own region.
+    wide = get_solver("revolve")(GPT, EAGER, snapshots=8)
+    assert len(wide.regions) == 8 and {r.depth for r in wide.regions} == {0}
+    assert simulate(GPT, wide).recompute_flops == every_block.recompute_flops
+    # One snapshot: beta(1, 7) = 8 units in seven sweeps, nested six deep.
+    deep = get_solver("revolve")(GPT, EAGER, snapshots=1)
+    assert max(r.depth for r in deep.regions) == 6
+    deep_sim = simulate(GPT, deep)
+    assert deep_sim.peak_bytes < every_block.peak_bytes
+    assert deep_sim.recompute_flops > every_block.recompute_flops
+    # Without a snapshot count it picks the cheapest that fits, down to the deepest's peak.
+    for budget in (deep_sim.peak_bytes, every_block.peak_bytes, EAGER):
+        s = get_solver("revolve")(GPT, budget)
+        assert simulate(GPT, s).peak_bytes <= budget
+    with pytest.raises(InfeasibleBudgetError):
+        get_solver("revolve")(GPT, deep_sim.peak_bytes - 1)
 
 
 def test_selective_keeps_weight_matmuls_and_recomputes_attention_scores():

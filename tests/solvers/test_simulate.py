@@ -4,6 +4,8 @@ n0 -> t0 (10 B) -> n1 -> t1 (20 B) -> n2 -> t2 (30 B, the output). Each node sav
 for backward (t0 by n1, t1 by n2), every activation has a gradient of its own size.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from solvers.costgraph import CostGraph, GradBuffer, Node, Region, Schedule, Tensor
@@ -60,6 +62,65 @@ def test_recompute_region():
     assert (sim.peak_bytes, sim.recompute_flops) == (50, FLOPS[0] + FLOPS[1])
 
 
+def flagged_chain(state_bytes: tuple[int, ...] = (0, 0, 0)) -> CostGraph:
+    """chain() as the estimator describes it: n1 and n2 save their inputs (so they save before
+    they compute: their outputs come after their last save), n0 saves nothing."""
+    g = chain()
+    nodes = tuple(
+        replace(nd, saves_for_backward=i > 0, state_bytes=state_bytes[i])
+        for i, nd in enumerate(g.nodes)
+    )
+    tensors = tuple(replace(t, after_last_save=t.producer > 0) for t in g.tensors)
+    return replace(g, nodes=nodes, tensors=tensors)
+
+
+def test_recomputation_stops_at_the_last_save():
+    sim = run([Region(0, 2)], flagged_chain())
+    # Non-reentrant checkpoint stops once n1 has saved t0 again: t1 is never recomputed.
+    assert sim.timeline == (
+        ("fwd:n0", 10),
+        ("fwd:n1", 30),
+        ("fwd:n2", 50),
+        ("bwd:n2", 40),
+        ("recompute:n0", 30),
+        ("recompute:n1", 30),
+        ("bwd:n1", 40),
+        ("bwd:n0", 10),
+    )
+
+
+def test_nodes_after_the_last_save_are_not_recomputed():
+    g = flagged_chain()
+    g = replace(g, nodes=(*g.nodes[:2], replace(g.nodes[2], saves_for_backward=False)))
+    sim = run([Region(0, 3)], g)
+    assert [e for e, _ in sim.timeline if e.startswith("recompute")] == [
+        "recompute:n0",
+        "recompute:n1",
+    ]
+    assert sim.recompute_flops == FLOPS[0] + FLOPS[1]
+
+
+def test_without_save_flags_the_recomputation_runs_to_the_end():
+    sim = run([Region(0, 3)])
+    assert sim.recompute_flops == sum(FLOPS)
+
+
+def test_a_region_copies_the_buffers_it_writes_for_its_recomputation():
+    sim = run([Region(0, 2)], flagged_chain(state_bytes=(0, 4, 0)))
+    # n1 writes 4 B of buffers (BatchNorm statistics): the region keeps a pre-step copy from
+    # its forward to the end of its backward, and makes a fresh one while recomputing.
+    assert sim.timeline == (
+        ("fwd:n0", 14),
+        ("fwd:n1", 34),
+        ("fwd:n2", 54),
+        ("bwd:n2", 44),
+        ("recompute:n0", 38),
+        ("recompute:n1", 38),
+        ("bwd:n1", 44),
+        ("bwd:n0", 14),
+    )
+
+
 def test_nested_regions():
     sim = run([Region(0, 3, depth=0), Region(0, 2, depth=1)])
     # Nothing survives the forward; backward recomputes the outer region (keeping the inner
@@ -94,6 +155,23 @@ def test_selective_region_keeps_saved_nodes():
         ("bwd:n0", 20),
     )
     assert (sim.peak_bytes, sim.recompute_flops) == (60, FLOPS[1])
+
+
+def test_selective_saved_node_releases_what_it_reads():
+    sim = run([Region(0, 2, kind="selective", saved_nodes=frozenset({1}))])
+    # n1's output t1 stays cached until the region's backward ends (recomputation stops early
+    # and never pops it), though n2's backward was its last need. n1 does not rerun, so its
+    # read of t0 ends at once; t0 is rebuilt for n1's backward and dies after it.
+    assert sim.timeline == (
+        ("fwd:n0", 10),
+        ("fwd:n1", 30),
+        ("fwd:n2", 50),
+        ("bwd:n2", 40),
+        ("recompute:n0", 50),
+        ("bwd:n1", 60),
+        ("bwd:n0", 30),
+    )
+    assert sim.recompute_flops == FLOPS[0]
 
 
 def test_offload_region_moves_saves_to_host():
