@@ -24,7 +24,14 @@ Inside regions a state is keyed by what it depends on rather than where it is (i
 nodes described relative to the context's end, hash-consed), so the repeated blocks of a
 transformer share their work.
 
-The programme assumes every tensor a node saves is one it reads or produces (true of autograd);
+At the top level the programme also offers selective regions between coarse cuts (matmul
+outputs cached, the rest recomputed; ``solvers/selective.py``).
+
+The programme assumes every tensor a node saves is one it reads or produces (true of autograd),
+and that a recomputation runs to its region's end. ``simulate`` stops a recomputation at its
+last save when the graph says where that is (estimated graphs do; hand-built ones do not), so
+on estimated graphs the programme's prices are upper bounds: its plans fit, and they are
+optimal for the programme's model rather than for ``simulate``'s.
 :func:`solve_dp` replays its answer through ``simulate`` all the same.
 """
 
@@ -268,7 +275,9 @@ class _Programme:
         if not keep:
             return best
         keep_set = set(keep)
-        cached = [t for i in keep for t in p.produced[i] if any(c <= s < j for s in p.savers[t])]
+        # Selective checkpointing caches every output of a kept op, whether backward reads it
+        # or not (simulate's model): all of them stay alive to the region's backward.
+        cached = [t for i in keep for t in p.produced[i]]
         cached_set = set(cached)
         # The first forward through [c, j): cached outputs stay alive past their last use.
         cross_bytes = sum(p.size[t] for t, _ in crossing)
@@ -650,7 +659,7 @@ def solve_dp(
     coarse_cuts: int | None = None,
     max_depth: int | None = None,
     grid: int = DEFAULT_GRID,
-    selective: bool = False,
+    selective: bool = True,
     coarse_span: int = DEFAULT_COARSE_SPAN,
     **opts,
 ) -> Schedule:
@@ -661,8 +670,9 @@ def solve_dp(
     coarse cuts apart; with ``max_span=None`` (or a graph no longer than it) every interval is
     allowed. ``grid`` bounds the memory steps (bytes are rounded up to budget / grid; exact
     when that is 1). ``max_depth`` caps the nesting (None: any depth). ``selective`` also
-    offers selective regions between coarse cuts (off by default: see the notes in
-    BENCHMARKS.md; when ``simulate`` disagrees the programme answers again without them).
+    offers top-level selective regions between coarse cuts, which keep the matmul outputs and
+    recompute the rest (when ``simulate`` prices the answer above the budget, the programme
+    answers again without them).
 
     Feasibility is monotone in the budget: when the budget's own grid finds nothing that
     ``simulate`` fits (rounding up, or a model disagreement), the least-memory schedule (one

@@ -332,7 +332,7 @@ def warm_start(graph: CostGraph, budget_bytes: float, regions: list[Region], **d
     from solvers.dp import solve_dp
 
     try:
-        schedule = solve_dp(graph, budget_bytes, max_depth=1, **dp_opts)
+        schedule = solve_dp(graph, budget_bytes, max_depth=1, selective=False, **dp_opts)
     except InfeasibleBudgetError:
         return None
     index = {(r.start, r.stop): k for k, r in enumerate(regions)}
