@@ -320,7 +320,32 @@ def write_section(markdown: str, path: Path = BENCHMARKS_MD) -> None:
     path.write_text(text)
 
 
-def report(rows: list[Row], eager_step_s: float, title: str) -> str:
+def verdicts(anchors: list[Row], ours: list[Row]) -> list[str]:
+    """One line per anchor: planner's recompute FLOPs at that anchor's measured peak (its rows
+    come in the anchors' order, eager excluded) against the anchor's own."""
+    lines = []
+    for anchor, row in zip(anchors[1:], ours):
+        if row.method == "-":
+            lines.append(f"- {anchor.name}: planner refused its peak as budget ({row.note})")
+            continue
+        fits = row.peak_bytes <= anchor.peak_bytes
+        # the table's rounding: equal at one decimal counts as equal
+        below = round(row.recompute_flops_pct, 1) <= round(anchor.recompute_flops_pct, 1)
+        verdict = "at or below" if fits and below else "**above**"
+        lines.append(
+            f"- {anchor.name}: planner {row.recompute_flops_pct:+.1f}% at "
+            f"{row.peak_bytes / MiB:.1f} MiB vs {anchor.recompute_flops_pct:+.1f}% at "
+            f"{anchor.peak_bytes / MiB:.1f} MiB: {verdict}"
+        )
+    return lines
+
+
+def report(rows: list[Row], eager_step_s: float, title: str, n_anchors: int | None = None) -> str:
+    """The section: how to regenerate it, the table and, when planner's rows follow the first
+    ``n_anchors`` rows, a verdict per anchor."""
+    anchors, ours = rows[:n_anchors], rows[n_anchors:] if n_anchors else []
+    summary = ["", "Planner against each anchor, recompute FLOPs at equal measured peak:"]
+    summary += verdicts(anchors, ours)
     return "\n".join(
         [
             f"## {title}",
@@ -335,6 +360,7 @@ def report(rows: list[Row], eager_step_s: float, title: str) -> str:
             "time ratios need a quiet machine; other jobs sharing the cores skew them.",
             "",
             to_markdown(rows),
+            *(summary if ours else []),
         ]
     )
 
@@ -366,10 +392,11 @@ def main(argv: list[str] | None = None) -> None:
         compile_backend=args.compile_backend,
         repeats=args.repeats,
     )
+    n_anchors = len(rows)
     if not args.no_planner:
         rows += planner_rows(rows, example, solver=args.solver, repeats=args.repeats)
     title = "GPT-ref-small vs the anchors" if args.small else "GPT-ref vs the anchors (CPU)"
-    markdown = report(rows, rows[0].step_time_s, title)
+    markdown = report(rows, rows[0].step_time_s, title, n_anchors)
     print(markdown)
     if not args.small:
         write_section(markdown)

@@ -303,6 +303,19 @@ def gpt_like_graph(
     return g.build(outputs=("nll",), flops_per_s=1e11, bytes_per_s=1e10)
 
 
+def _random_costs(rng: random.Random, max_bytes: int, fwd_temp: bool = True) -> dict:
+    """A random node's output size, FLOPs, parameter gradients and working sets."""
+    costs = dict(
+        out_bytes=rng.randint(1, max_bytes),
+        fwd_flops=rng.randint(0, 100),
+        param_grad_bytes=rng.choice((0, 0, rng.randint(1, 8))),
+    )
+    if fwd_temp:
+        costs["fwd_temp_bytes"] = rng.choice((0, rng.randint(0, 8)))
+    costs["bwd_temp_bytes"] = rng.choice((0, rng.randint(0, 8)))
+    return costs
+
+
 def random_chain(rng: random.Random, n: int, max_bytes: int = 64) -> CostGraph:
     """A chain: node i reads node i-1's output; random sizes, saves, FLOPs and temporaries."""
     g = GraphBuilder()
@@ -316,11 +329,7 @@ def random_chain(rng: random.Random, n: int, max_bytes: int = 64) -> CostGraph:
             f"n{i}",
             reads=reads,
             saves=saves,
-            out_bytes=rng.randint(1, max_bytes),
-            fwd_flops=rng.randint(0, 100),
-            param_grad_bytes=rng.choice((0, 0, rng.randint(1, 8))),
-            fwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
-            bwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
+            **_random_costs(rng, max_bytes),
         )
         prev = f"n{i}"
     return g.build(outputs=(prev,), flops_per_s=1.0, bytes_per_s=1e9)
@@ -342,11 +351,7 @@ def random_dag(rng: random.Random, n: int, max_bytes: int = 64, skip_p: float = 
             f"n{i}",
             reads=reads,
             saves=saves,
-            out_bytes=rng.randint(1, max_bytes),
-            fwd_flops=rng.randint(0, 100),
-            param_grad_bytes=rng.choice((0, 0, rng.randint(1, 8))),
-            fwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
-            bwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
+            **_random_costs(rng, max_bytes),
             extra={f"h{i}": rng.randint(1, 16)} if rng.random() < 0.2 else None,
         )
         if f"h{i}" in g.by_name:
@@ -371,10 +376,7 @@ def random_inplace_chain(rng: random.Random, n: int, max_bytes: int = 64) -> Cos
             f"n{i}",
             reads=reads,
             saves=saves,
-            out_bytes=rng.randint(1, max_bytes),
-            fwd_flops=rng.randint(0, 100),
-            param_grad_bytes=rng.choice((0, 0, rng.randint(1, 8))),
-            bwd_temp_bytes=rng.choice((0, rng.randint(0, 8))),
+            **_random_costs(rng, max_bytes, fwd_temp=False),
         )
         current = f"n{i}"
     return g.build(outputs=(current,), flops_per_s=1.0, bytes_per_s=1e9)
