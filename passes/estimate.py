@@ -140,11 +140,14 @@ class _Tracker(TorchDispatchMode):
         def value_of(k: int) -> Any:
             return args[k] if k < len(args) else kwargs.get(schema_args[k].name)
 
-        training = next((value_of(k) for k, a in enumerate(schema_args) if a.name == "training"), 1)
         for k, a in enumerate(schema_args):
             write = a.alias_info is not None and a.alias_info.is_write
-            # native_batch_norm updates its running statistics without saying so in its schema.
-            write |= a.name in ("running_mean", "running_var") and training is not False
+            if not write and a.name in ("running_mean", "running_var"):
+                # native_batch_norm updates its running statistics without saying so in its
+                # schema (looked up here only: this runs for every op of the forward)
+                names = [b.name for b in schema_args]
+                training = value_of(names.index("training")) if "training" in names else True
+                write = training is not False
             if not write:
                 continue
             value = value_of(k)

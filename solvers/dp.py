@@ -83,8 +83,8 @@ class _Prices:
     held_fwd: tuple[int, ...]  # bytes held to the end of the step, alive at node i's forward
     keepable: tuple[bool, ...]  # outputs a selective region would keep (solvers/selective.py)
     bounds: tuple[int, ...]  # cuts a region boundary may use (solvers/cuts.py region_bounds)
-    grad_at_raw: tuple[int, ...] = ()  # grad_at_bwd and grad_after in bytes, for differences
-    grad_after_raw: tuple[int, ...] = ()
+    grad_at_raw: tuple[int, ...]  # grad_at_bwd and grad_after in bytes, for differences
+    grad_after_raw: tuple[int, ...]
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -192,7 +192,14 @@ class _Programme:
     """
 
     def __init__(
-        self, p: _Prices, coarse: list[int], max_span: int, max_depth: int | None, grid: int
+        self,
+        p: _Prices,
+        coarse: list[int],
+        max_span: int,
+        max_depth: int | None,
+        grid: int,
+        coarse_span: int,
+        selective: bool,
     ) -> None:
         self.p = p
         # Region boundaries only after nodes that allocate (a cut after a view is the same cut
@@ -211,9 +218,9 @@ class _Programme:
         for c in self.coarse:
             self.is_coarse[c] = True
         self.max_span = max_span
-        self.coarse_span = len(self.coarse)  # long regions cross at most this many coarse cuts
+        self.coarse_span = coarse_span  # long regions cross at most this many coarse cuts
         self.max_depth = max_depth
-        self.selective = True
+        self.selective = selective  # top-level selective regions between coarse cuts
         self.size = grid + 1  # V[m] for m = 0..grid units
         # key -> (V, node it was computed at, options, best option per m)
         self.memo: dict[tuple, tuple[np.ndarray, int, list, np.ndarray]] = {}
@@ -612,11 +619,8 @@ def solve_all(
     unit = max(1, math.ceil(cap_bytes / grid))
     p = prices(graph, unit)
     span = p.n if max_span is None else max_span
-    prog = _Programme(
-        p, coarse_cut_points(graph, coarse_cuts), span, max_depth, int(cap_bytes // unit)
-    )
-    prog.selective = selective
-    prog.coarse_span = coarse_span
+    coarse = coarse_cut_points(graph, coarse_cuts)
+    prog = _Programme(p, coarse, span, max_depth, int(cap_bytes // unit), coarse_span, selective)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
     try:

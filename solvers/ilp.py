@@ -32,7 +32,7 @@ import numpy as np
 from solvers.common import finish
 from solvers.costgraph import CostGraph, Region, Schedule
 from solvers.cuts import allowed_cuts, region_bounds
-from solvers.dp import DEFAULT_COARSE_SPAN, coarse_cut_points, prices
+from solvers.dp import DEFAULT_COARSE_SPAN, coarse_cut_points, least_peak, prices, solve_dp
 from solvers.errors import InfeasibleBudgetError
 from solvers.registry import register
 from solvers.simulate import simulate
@@ -329,8 +329,6 @@ def solve_cbc(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | None:
 def warm_start(graph: CostGraph, budget_bytes: float, regions: list[Region], **dp_opts):
     """dp's best non-nested schedule (its space is a subset of the candidates), as the indices
     of its regions among ``regions``, or None when dp finds none within budget."""
-    from solvers.dp import solve_dp
-
     try:
         schedule = solve_dp(graph, budget_bytes, max_depth=1, selective=False, **dp_opts)
     except InfeasibleBudgetError:
@@ -378,15 +376,13 @@ def solve_ilp(
     res = solver(mdl, left_s, rel_gap)
     if res is not None and res.chosen is None and incumbent is None:
         res = None  # a bound alone answers nothing
+    limit = f"the time limit ({time_limit_s:g} s)"
     if res is None and incumbent is None:
-        from solvers.dp import least_peak, solve_dp
-
         kw = dict(dp_opts, max_depth=1)
         least = least_peak(graph, **kw)
         if least > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, least, "(solver 'ilp', non-nested regions)")
         fallback = solve_dp(graph, budget_bytes, **kw)
-        limit = f"the time limit ({time_limit_s:g} s)"
         note = f"{backend}: no solution within {limit}; dp (depth 1) answered"
         return finish(graph, budget_bytes, fallback.regions, "dp", note)
     note = f"{backend}, {len(regions)} candidates"
@@ -399,15 +395,13 @@ def solve_ilp(
         else:
             note += ", dp's warm start not beaten"
         if not res.optimal:
-            note += f", stopped at the time limit ({time_limit_s:.0f} s)"
+            note += f", stopped at {limit}"
     gap = None
     if res is not None and res.bound is not None:
         gap = max(0.0, (upper - res.bound) / upper) if upper > 0 else 0.0
     elif res is not None and res.optimal:
         gap = res.gap
     if res is None:
-        note += (
-            f"; no MILP answer within the time limit ({time_limit_s:g} s): dp (depth 1) answered"
-        )
+        note += f"; no MILP answer within {limit}: dp (depth 1) answered"
         return finish(graph, budget_bytes, [regions[k] for k in chosen], "dp", note)
     return finish(graph, budget_bytes, [regions[k] for k in chosen], "ilp", note, gap=gap)

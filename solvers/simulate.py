@@ -198,8 +198,7 @@ class _Replay:
         """Run nodes of ``ctx`` forward, holding what ctx's own backward will need.
 
         A recomputation stops early: non-reentrant checkpoint raises once the last tensor the
-        region saved is back, so it runs up to the region's last saving node (and that node
-        only up to its last save).
+        region saved is back (``_stop_node`` says where).
         """
         start, stop = (0, len(self.g.nodes)) if ctx is ROOT else (ctx.start, ctx.stop)
         children = self.children(ctx)
