@@ -89,6 +89,10 @@ def _worker(rank: int, world: int, init: str, out: str, modes: tuple[str, ...]) 
             results[mode] = {"loss": loss.detach(), "grads": grads}
         if rank == 0:
             torch.save(results, out)
+        # Both ranks leave together: a rank tearing gloo down while its peer's last collective
+        # is still in flight aborts the process (seen once in CI: SIGABRT, "terminate called
+        # without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
