@@ -30,14 +30,14 @@ from benchmarks.models import (
     residual_cnn_example,
     unet_example,
 )
-from passes.capture import capture
-from passes.estimate import estimate
-from planner.measure import Measurement, measure
-from planner.plan import build_plan
-from solvers.costgraph import CostGraph, Schedule
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import get_solver
-from solvers.simulate import Simulation, simulate
+from planner.measurement import Measurement, measure
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.planning import build_plan
+from planner.solvers.costgraph import CostGraph, Schedule
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import get_solver
+from planner.solvers.simulate import Simulation, simulate
 
 MIB = 2**20
 

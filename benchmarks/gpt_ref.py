@@ -13,11 +13,11 @@ import time
 
 import planner
 from benchmarks.models import gpt_ref_example
-from passes.capture import capture
-from passes.estimate import estimate
-from planner.plan import build_plan
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import get_solver
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.planning import build_plan
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import get_solver
 
 MIB = 2**20
 

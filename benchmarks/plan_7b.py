@@ -168,10 +168,10 @@ def main() -> None:
     cfg = LlamaConfig(n_layer=args.layers, seq_len=args.seq)
 
     import planner
-    from solvers.costgraph import Schedule
-    from solvers.errors import InfeasibleBudgetError
-    from solvers.registry import get_solver
-    from solvers.simulate import simulate
+    from planner.solvers.costgraph import Schedule
+    from planner.solvers.errors import InfeasibleBudgetError
+    from planner.solvers.registry import get_solver
+    from planner.solvers.simulate import simulate
 
     t0 = time.perf_counter()
     model, example = llama_example(cfg)

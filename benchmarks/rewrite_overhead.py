@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.models import gpt_ref_example, gpt_ref_small_example  # noqa: E402
-from passes.capture import capture  # noqa: E402
-from passes.rewrite import CALL_OPS, Region, region_name, rewrite  # noqa: E402
+from planner.passes.capture import capture  # noqa: E402
+from planner.passes.rewrite import CALL_OPS, Region, region_name, rewrite  # noqa: E402
 
 
 class HandCheckpoint(nn.Module):

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.models import gpt_ref_example
-from passes.capture import capture
-from passes.estimate import estimate
 from planner.comparison import compare
-from solvers.costgraph import Schedule
-from solvers.dp import least_memory_schedule, solve_dp
-from solvers.ilp import solve_ilp
-from solvers.registry import get_solver
-from solvers.simulate import simulate
-from solvers.synthetic import GraphBuilder
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.solvers.costgraph import Schedule
+from planner.solvers.dp import least_memory_schedule, solve_dp
+from planner.solvers.ilp import solve_ilp
+from planner.solvers.registry import get_solver
+from planner.solvers.simulate import simulate
+from tests.solvers.synthetic import GraphBuilder
 
 MIB = 2**20
 SOLVERS = ("uniform", "sqrt", "greedy", "selective", "revolve", "dp", "ilp")

@@ -36,8 +36,8 @@ from torch.utils.checkpoint import (
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from benchmarks.models import gpt_ref_example, gpt_ref_small_example
-from passes.step import call, training_loss
-from planner.measure import Measurement, measure
+from planner.measurement import Measurement, measure
+from planner.passes.step import call, training_loss
 
 MiB = 2**20
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if not args.no_planner:
-        from solvers.registry import get_solver
+        from planner.solvers.registry import get_solver
 
         get_solver(args.solver)  # an unknown solver fails now, not after the anchors' minutes
     example = gpt_ref_small_example if args.small else gpt_ref_example

@@ -1,11 +1,48 @@
-"""Plan GPT-ref (12 blocks, 8 x 256 tokens) to half its eager memory, then measure both."""
+"""Quickstart: plan a small GPT to half its eager memory, print the plan, measure both.
+
+Run from anywhere after installing planner: ``python examples/quickstart.py``.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import planner
-from benchmarks.models import gpt_ref_example
 
-model, example_input = gpt_ref_example()
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, need_weights=False, is_causal=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 1024, d: int = 256, heads: int = 4, layers: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+torch.manual_seed(0)
+model = TinyGPT()
+tokens = torch.randint(0, 1024, (8, 256))
+example_input = (tokens, tokens.roll(-1, dims=1))
+
 eager = planner.measure(model, example_input)
-
 p = planner.plan(model, example_input, mem_budget_gb=0.5 * eager.peak_bytes / 1e9)
 print(p.summary())
 

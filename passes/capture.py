@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from passes.step import split_input
-from solvers.errors import CaptureError
+from planner.passes.step import split_input
+from planner.solvers.errors import CaptureError
 
 Frontend = str  # "export" | "symbolic_trace"
 

@@ -1,7 +1,7 @@
 """Estimate: price every node of a captured training step, on fake tensors.
 
 In: a GraphModule (from ``passes/capture.py``), its example args/kwargs, and optionally the loss
-function. Out: a :class:`solvers.costgraph.CostGraph` whose ``nodes`` are the graph's
+function. Out: a :class:`planner.solvers.costgraph.CostGraph` whose ``nodes`` are the graph's
 call_function / call_method / call_module nodes in graph order, named as in the graph.
 
 How: the step (forward, loss per ``passes/step.training_loss``, backward) runs ONCE under
@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from passes.step import training_loss
-from solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
+from planner.passes.step import training_loss
+from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # A value whose first and last consumers lie this many non-view nodes apart is a "skip".

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from solvers.errors import UnsupportedModelError
+from planner.solvers.errors import UnsupportedModelError
 
 CALL_OPS = ("call_function", "call_method", "call_module")
 KINDS = ("recompute", "selective", "offload")

@@ -1,6 +1,6 @@
 """The training step that planner plans and measures: forward, a loss, backward.
 
-Shared by ``passes/estimate.py`` and ``planner/measure.py`` so both price the same step.
+Shared by ``passes/estimate.py`` and ``planner/measurement.py`` so both price the same step.
 """
 
 from __future__ import annotations

@@ -3,14 +3,17 @@
 p = planner.plan(model, example_input, mem_budget_gb=1.5)
 print(p.summary())
 loss = training_loss(p.module(*inputs))  # train p.module in the model's place
+
+The names below load on first use, so ``import planner.solvers`` (pure algorithms) never
+imports torch.
 """
 
-from passes.rewrite import Region
-from planner.comparison import Comparison, compare
-from planner.measure import Measurement, measure
-from planner.plan import Plan, plan
-from planner.plan_file import apply_plan
-from solvers.errors import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from planner.solvers.errors import (
     CaptureError,
     InfeasibleBudgetError,
     InvalidBudgetError,
@@ -18,6 +21,35 @@ from solvers.errors import (
     PlannerError,
     UnsupportedModelError,
 )
+
+if TYPE_CHECKING:
+    from planner.comparison import Comparison, compare
+    from planner.measurement import Measurement, measure
+    from planner.passes.rewrite import Region
+    from planner.plan_file import apply_plan
+    from planner.planning import Plan, plan
+
+# public name -> module that defines it
+_LAZY = {
+    "Comparison": "planner.comparison",
+    "compare": "planner.comparison",
+    "Measurement": "planner.measurement",
+    "measure": "planner.measurement",
+    "Region": "planner.passes.rewrite",
+    "Plan": "planner.planning",
+    "plan": "planner.planning",
+    "apply_plan": "planner.plan_file",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CaptureError",

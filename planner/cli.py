@@ -221,12 +221,12 @@ def _console() -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from passes.capture import capture
-    from passes.estimate import estimate
-    from planner.plan import build_plan
-    from solvers.costgraph import Schedule
-    from solvers.registry import get_solver
-    from solvers.simulate import simulate
+    from planner.passes.capture import capture
+    from planner.passes.estimate import estimate
+    from planner.planning import build_plan
+    from planner.solvers.costgraph import Schedule
+    from planner.solvers.registry import get_solver
+    from planner.solvers.simulate import simulate
 
     kind, value = parse_budget(args.budget)
     try:
@@ -254,7 +254,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out.print(p.summary(), highlight=False, markup=False)
     out.print(f"solved in {solve_time_s:.2f} s", highlight=False)
     if args.measure:
-        from planner.measure import measure
+        from planner.measurement import measure
 
         eager = measure(model, example_input)
         after = measure(p.module, example_input)
@@ -322,7 +322,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_solvers(args: argparse.Namespace) -> int:
     from planner.comparison import solver_names
-    from solvers.registry import SOLVERS
+    from planner.solvers.registry import SOLVERS
 
     for name in solver_names() + ["auto"] * ("auto" in SOLVERS):
         doc = (SOLVERS[name].__doc__ or "").strip().splitlines()
@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from solvers.errors import PlannerError
+    from planner.solvers.errors import PlannerError
 
     try:
         return args.run(args)

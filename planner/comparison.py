@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from passes.capture import capture
-from passes.estimate import estimate
-from passes.step import LossFn
-from solvers.costgraph import Schedule
-from solvers.errors import InfeasibleBudgetError, PlannerError
-from solvers.registry import SOLVERS, get_solver
-from solvers.simulate import simulate
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.passes.step import LossFn
+from planner.solvers.costgraph import Schedule
+from planner.solvers.errors import InfeasibleBudgetError, PlannerError
+from planner.solvers.registry import SOLVERS, get_solver
+from planner.solvers.simulate import simulate
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from rich.table import Table
 
-    from planner.plan import Plan
+    from planner.planning import Plan
 
 MIB = 2**20
 GB = 10**9
@@ -208,7 +208,7 @@ def compare(
 
     ``budgets_gb``: decimal GB (10^9 bytes), as ``plan``'s ``mem_budget_gb``. Without it, the
     budgets are ``budget_fractions`` of the predicted eager peak (default 0.8, 0.6, 0.4, 0.2).
-    ``solvers``: names from ``solvers.registry`` (default: all but 'auto'). ``measure``: also
+    ``solvers``: registered solver names (default: all but 'auto'). ``measure``: also
     run each plan's real training step (``planner.measure``, ``repeats`` timed steps) for the
     measured peak and the step-time ratio against the unmodified model.
     ``solver_opts``: extra keyword options per solver name, e.g. ``{"ilp": {"time_limit_s": 5}}``.
@@ -216,8 +216,8 @@ def compare(
     """
     from tqdm import tqdm
 
-    from planner.measure import measure as measure_step
-    from planner.plan import build_plan
+    from planner.measurement import measure as measure_step
+    from planner.planning import build_plan
 
     names = list(solvers) if solvers is not None else solver_names()
     solve_fns = {name: get_solver(name) for name in names}  # unknown names fail before the work

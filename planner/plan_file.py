@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from passes.capture import capture
-from passes.estimate import estimate
-from passes.rewrite import Region
-from passes.step import LossFn
-from solvers.costgraph import Region as Span
-from solvers.costgraph import Schedule
-from solvers.errors import PlanFileError
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.passes.rewrite import Region
+from planner.passes.step import LossFn
+from planner.solvers.costgraph import Region as Span
+from planner.solvers.costgraph import Schedule
+from planner.solvers.errors import PlanFileError
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
+    from planner.planning import Plan
 
 FORMAT = "planner-plan"
 VERSION = 1
@@ -128,7 +128,7 @@ def apply_plan(
     loss_fn: LossFn | None = None,
 ) -> Plan:
     """Re-capture ``model`` and apply the saved plan at ``path`` without solving again."""
-    from planner.plan import build_plan
+    from planner.planning import build_plan
 
     body = load_plan_file(path)
     captured = capture(model, example_input)

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from matplotlib.figure import Figure
 
-from solvers.costgraph import CostGraph
-from solvers.costgraph import Region as Span
+from planner.solvers.costgraph import CostGraph
+from planner.solvers.costgraph import Region as Span
 
 if TYPE_CHECKING:
     from planner.comparison import Comparison
-    from planner.plan import Plan
+    from planner.planning import Plan
 
 MIB = 2**20
 PHASE_COLOURS = {"fwd": "tab:blue", "recompute": "tab:orange", "bwd": "tab:green"}

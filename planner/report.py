@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from solvers.costgraph import CostGraph
-from solvers.costgraph import Region as Span
+from planner.solvers.costgraph import CostGraph
+from planner.solvers.costgraph import Region as Span
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
+    from planner.planning import Plan
 
 
 def mib(n_bytes: float) -> str:

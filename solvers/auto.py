@@ -9,10 +9,10 @@ others' recompute time.
 
 from __future__ import annotations
 
-from solvers.costgraph import CostGraph, Schedule
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import get_solver, register
-from solvers.simulate import simulate
+from planner.solvers.costgraph import CostGraph, Schedule
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import get_solver, register
+from planner.solvers.simulate import simulate
 
 ILP_MAX_NODES = 60
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from solvers.common import finish, segments_to_regions
-from solvers.costgraph import CostGraph, Schedule
-from solvers.cuts import block_spans, even_cuts
-from solvers.registry import register
+from planner.solvers.common import finish, segments_to_regions
+from planner.solvers.costgraph import CostGraph, Schedule
+from planner.solvers.cuts import block_spans, even_cuts
+from planner.solvers.registry import register
 
 
 @register("none")

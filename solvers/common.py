@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.errors import InfeasibleBudgetError
-from solvers.simulate import simulate
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.simulate import simulate
 
 
 def finish(

@@ -60,10 +60,10 @@ class Tensor:
     to the end of the step (autocast's cache of low-precision weight copies); recomputation
     reuses them instead of allocating them again. ``written_by`` are the nodes that write it in
     place in forward (``relu_``, ``x += y``): no region boundary may lie between its producer
-    and such a writer (see ``solvers.cuts.forbidden_cuts``). ``after_last_save``: its producer
-    allocates it after its own last save for backward (a linear's output: autograd saves the
-    inputs before the matmul runs), so a recomputation that stops early at that node never
-    allocates it.
+    and such a writer (see ``planner.solvers.cuts.forbidden_cuts``). ``after_last_save``: its
+    producer allocates it after its own last save for backward (a linear's output: autograd
+    saves the inputs before the matmul runs), so a recomputation that stops early at that node
+    never allocates it.
     """
 
     name: str
@@ -109,6 +109,10 @@ class CostGraph:
     # Host<->device transfer rate that offload regions are charged at.
     offload_bytes_per_s: float = 1e10
     grad_buffers: tuple[GradBuffer, ...] | None = None
+    # Module-granular plans (applied in place to the user's own modules): the only node
+    # intervals [start, stop) a region may cover, each the ops of one call of one submodule.
+    # None: any interval of allowed cuts.
+    region_spans: frozenset[tuple[int, int]] | None = None
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def node_time_s(self, i: int, backward: bool = False) -> float:

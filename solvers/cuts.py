@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from solvers.costgraph import CostGraph
+from planner.solvers.costgraph import CostGraph
 
 _TOKEN = re.compile(r"[A-Za-z_]\w*|\d+")
 

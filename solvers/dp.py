@@ -44,13 +44,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solvers.common import finish
-from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import allowed_cuts, block_spans, crossing_bytes, even_cuts, region_bounds
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import register
-from solvers.selective import out_bytes, worth_keeping
-from solvers.simulate import gradient_bytes, simulate
+from planner.solvers.common import finish
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.cuts import allowed_cuts, block_spans, crossing_bytes, even_cuts, region_bounds
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import register
+from planner.solvers.selective import out_bytes, worth_keeping
+from planner.solvers.simulate import gradient_bytes, simulate
 
 INF = math.inf
 DEFAULT_SPAN = 8

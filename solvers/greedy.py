@@ -9,12 +9,12 @@ schedule within budget wins.
 
 from __future__ import annotations
 
-from solvers.common import finish
-from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import allowed_cuts, crossing_bytes
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import register
-from solvers.simulate import simulate
+from planner.solvers.common import finish
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.cuts import allowed_cuts, crossing_bytes
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import register
+from planner.solvers.simulate import simulate
 
 
 def seams(graph: CostGraph) -> list[int]:

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from solvers.common import finish
-from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import allowed_cuts, region_bounds
-from solvers.dp import DEFAULT_COARSE_SPAN, coarse_cut_points, least_peak, prices, solve_dp
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import register
-from solvers.simulate import simulate
+from planner.solvers.common import finish
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.cuts import allowed_cuts, region_bounds
+from planner.solvers.dp import DEFAULT_COARSE_SPAN, coarse_cut_points, least_peak, prices, solve_dp
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import register
+from planner.solvers.simulate import simulate
 
 FULL_NODES = 40  # up to this many nodes every interval is a candidate
 # Short spans on large graphs: half dp's, so the MILP on GPT-ref (about 1,200 candidates)

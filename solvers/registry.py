@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Protocol
 
-from solvers.costgraph import CostGraph, Schedule
+from planner.solvers.costgraph import CostGraph, Schedule
 
 
 class SolverFn(Protocol):
@@ -18,13 +18,13 @@ SOLVERS: dict[str, SolverFn] = {}
 # Modules whose import registers solvers; loaded on first lookup so that importing a solver
 # module directly never recurses through this one.
 _MODULES = (
-    "solvers.basic",
-    "solvers.greedy",
-    "solvers.revolve",
-    "solvers.selective",
-    "solvers.dp",
-    "solvers.ilp",
-    "solvers.auto",
+    "planner.solvers.basic",
+    "planner.solvers.greedy",
+    "planner.solvers.revolve",
+    "planner.solvers.selective",
+    "planner.solvers.dp",
+    "planner.solvers.ilp",
+    "planner.solvers.auto",
 )
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from math import comb
 
-from solvers.common import finish
-from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import block_spans, even_cuts
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import register
-from solvers.simulate import simulate
+from planner.solvers.common import finish
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.cuts import block_spans, even_cuts
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import register
+from planner.solvers.simulate import simulate
 
 
 def beta(s: int, t: int) -> int:

@@ -8,12 +8,12 @@ normalisation, pointwise ops -- is recomputed in backward. Runs as an op-level p
 
 from __future__ import annotations
 
-from solvers.common import finish
-from solvers.costgraph import CostGraph, Node, Region, Schedule
-from solvers.cuts import block_spans, even_cuts
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import register
-from solvers.simulate import simulate
+from planner.solvers.common import finish
+from planner.solvers.costgraph import CostGraph, Node, Region, Schedule
+from planner.solvers.cuts import block_spans, even_cuts
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import register
+from planner.solvers.simulate import simulate
 
 # Ops whose outputs are worth keeping: weight matmuls and convolutions (op names are
 # "aten.<name>.<overload>"; the estimator may also add tags).

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import forbidden_cuts
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.cuts import forbidden_cuts
 
 ROOT = Region(0, 0, depth=-1)
 
@@ -72,6 +72,10 @@ def validate(graph: CostGraph, schedule: Schedule) -> None:
     for r in regions:
         if not 0 <= r.start < r.stop <= n:
             raise InvalidScheduleError(f"region {r} lies outside nodes 0..{n}")
+        if graph.region_spans is not None and (r.start, r.stop) not in graph.region_spans:
+            raise InvalidScheduleError(
+                f"region {r} is not one of the graph's region spans (one module call each)"
+            )
         for c in (r.start, r.stop):
             if c in forbidden:
                 raise InvalidScheduleError(

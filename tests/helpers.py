@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from passes.step import call, training_loss
+from planner.passes.step import call, training_loss
 
 
 def step(module: torch.nn.Module, example_input: Any, params: list[torch.nn.Parameter], seed=0):

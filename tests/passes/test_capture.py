@@ -3,8 +3,8 @@ import torch
 from torch import nn
 
 from benchmarks.models import gpt_ref_small_example, residual_cnn_example
-from passes.capture import capture
-from solvers.errors import CaptureError
+from planner.passes.capture import capture
+from planner.solvers.errors import CaptureError
 
 
 def test_gpt_small_exports_and_shares_parameters():

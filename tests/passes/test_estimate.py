@@ -4,12 +4,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from benchmarks.models import gpt_ref_small_example, residual_cnn_example, unet_example
-from passes.capture import capture
-from passes.estimate import compute_nodes, estimate
-from planner.measure import measure
-from solvers.costgraph import Region, Schedule
-from solvers.cuts import forbidden_cuts
-from solvers.simulate import simulate
+from planner.measurement import measure
+from planner.passes.capture import capture
+from planner.passes.estimate import compute_nodes, estimate
+from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.simulate import simulate
 
 F32 = 4
 
@@ -172,7 +172,7 @@ def test_every_block_checkpoint_matches_measurement():
     ids=["early-stop", "nested", "nested-deep", "batchnorm", "nested-batchnorm"],
 )
 def test_checkpointed_residual_stage_matches_measurement(regions, norm):
-    from planner.plan import build_plan
+    from planner.planning import build_plan
     from tests.models_zoo import LayerSpec, NetSpec, spec_model
 
     spec = NetSpec(d_in=8, batch=100, layers=(LayerSpec("residual", 40, True, norm),), seed=1)
@@ -264,7 +264,7 @@ def test_sdpa_backend_priced_as_run(backend):
 
 
 def test_roofline_rates_calibrated_and_used():
-    from passes.estimate import device_rates
+    from planner.passes.estimate import device_rates
 
     model, x = gpt_ref_small_example()
     _, graph = _estimate(model, x)

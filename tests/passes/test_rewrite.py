@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from benchmarks.models import gpt_ref_small_example, residual_cnn_example
-from passes.capture import capture
-from passes.rewrite import CALL_OPS, CheckpointRegion, Region, region_name, rewrite
+from planner.passes.capture import capture
+from planner.passes.rewrite import CALL_OPS, CheckpointRegion, Region, region_name, rewrite
 from tests.helpers import assert_same_step
 
 

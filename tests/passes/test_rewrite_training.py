@@ -19,9 +19,9 @@ from benchmarks.models import (
     gpt_ref_small_example,
     residual_cnn_example,
 )
-from passes.capture import capture
-from passes.rewrite import CALL_OPS, CheckpointRegion, Region, region_name, rewrite
-from solvers.errors import UnsupportedModelError
+from planner.passes.capture import capture
+from planner.passes.rewrite import CALL_OPS, CheckpointRegion, Region, region_name, rewrite
+from planner.solvers.errors import UnsupportedModelError
 from tests.helpers import assert_same_step
 
 

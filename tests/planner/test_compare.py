@@ -28,10 +28,10 @@ from planner.plots import (
     plot_timeline,
 )
 from planner.report import dropped_bytes
-from solvers.costgraph import Region, Schedule
-from solvers.simulate import simulate
-from solvers.synthetic import gpt_like_graph
+from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.simulate import simulate
 from tests.helpers import assert_same_step
+from tests.solvers.synthetic import gpt_like_graph
 
 
 def fake_plan(regions: tuple[Region, ...] = (), budget_bytes: int | None = None):

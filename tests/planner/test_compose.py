@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.models import GPT, GPTConfig
-from passes.capture import capture
-from passes.rewrite import CALL_OPS, Region, rewrite
+from planner.passes.capture import capture
+from planner.passes.rewrite import CALL_OPS, Region, rewrite
 from tests.helpers import assert_same_step, step
 
 # Dropout off for the distributed tests: each rank draws its own masks, so a 2-rank step can

@@ -14,8 +14,8 @@ from benchmarks.models import (
     mlp_example,
     residual_cnn_example,
 )
-from passes.step import call, split_input, training_loss
-from planner.measure import measure
+from planner.measurement import measure
+from planner.passes.step import call, split_input, training_loss
 
 F32 = 4
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import planner
-from passes.capture import capture
-from passes.estimate import estimate
-from passes.step import call
-from solvers.costgraph import Schedule
-from solvers.registry import SOLVERS, get_solver
-from solvers.simulate import simulate
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.passes.step import call
+from planner.solvers.costgraph import Schedule
+from planner.solvers.registry import SOLVERS, get_solver
+from planner.solvers.simulate import simulate
 from tests import models_zoo as zoo
 from tests.helpers import assert_same_step
 

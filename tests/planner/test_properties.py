@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import planner
-from passes.capture import capture
-from passes.estimate import estimate
-from planner.plan import budget_bytes_from_gb, build_plan
-from solvers.costgraph import Schedule
-from solvers.registry import SOLVERS, get_solver
-from solvers.simulate import simulate
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.planning import budget_bytes_from_gb, build_plan
+from planner.solvers.costgraph import Schedule
+from planner.solvers.registry import SOLVERS, get_solver
+from planner.solvers.simulate import simulate
 from tests.helpers import assert_same_step
 from tests.models_zoo import LayerSpec, NetSpec, spec_model
 

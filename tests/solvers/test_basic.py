@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from solvers.costgraph import Schedule
-from solvers.cuts import block_spans, crossing_bytes, cut_points, even_cuts, last_need
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import SOLVERS, get_solver
-from solvers.simulate import simulate
-from solvers.synthetic import GraphBuilder, gpt_like_graph, random_dag
+from planner.solvers.costgraph import Schedule
+from planner.solvers.cuts import block_spans, crossing_bytes, cut_points, even_cuts, last_need
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import SOLVERS, get_solver
+from planner.solvers.simulate import simulate
+from tests.solvers.synthetic import GraphBuilder, gpt_like_graph, random_dag
 
 GPT = gpt_like_graph(n_layer=4, d_model=64, seq_len=64, batch=2, vocab=128)
 
@@ -27,8 +27,8 @@ def test_unknown_solver_lists_the_known_ones():
 
 def test_solvers_never_import_torch():
     code = (
-        "import sys; from solvers.registry import get_solver, SOLVERS; get_solver('none');"
-        "import solvers.synthetic; assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys; from planner.solvers.registry import get_solver, SOLVERS; get_solver('none');"
+        "import tests.solvers.synthetic; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

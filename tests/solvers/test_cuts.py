@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from solvers.brute import score_all
-from solvers.costgraph import Region, Schedule
-from solvers.cuts import allowed_cuts, forbidden_cuts, region_bounds
-from solvers.dp import solve_dp
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import SOLVERS, get_solver
-from solvers.simulate import InvalidScheduleError, simulate
-from solvers.synthetic import GraphBuilder, random_inplace_chain
+from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.cuts import allowed_cuts, forbidden_cuts, region_bounds
+from planner.solvers.dp import solve_dp
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import SOLVERS, get_solver
+from planner.solvers.simulate import InvalidScheduleError, simulate
+from tests.solvers.brute import score_all
+from tests.solvers.synthetic import GraphBuilder, random_inplace_chain
 
 
 def linear_relu_() -> tuple:

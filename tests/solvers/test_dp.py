@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solvers.brute import score_all
-from solvers.costgraph import Schedule
-from solvers.dp import least_peak, solve_all, solve_dp
-from solvers.errors import InfeasibleBudgetError
-from solvers.simulate import simulate
-from solvers.synthetic import GraphBuilder, gpt_like_graph, random_chain, random_dag
+from planner.solvers.costgraph import Schedule
+from planner.solvers.dp import least_peak, solve_all, solve_dp
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.simulate import simulate
+from tests.solvers.brute import score_all
+from tests.solvers.synthetic import GraphBuilder, gpt_like_graph, random_chain, random_dag
 
 
 def _check_optimal(graph, budgets, max_depth=None):
@@ -98,7 +98,7 @@ def test_dp_reports_the_least_feasible_budget():
 def test_dp_beats_every_block_on_a_gpt_like_graph():
     graph = gpt_like_graph(n_layer=4, d_model=64, seq_len=128, batch=2, vocab=128)
     eager = simulate(graph, Schedule()).peak_bytes
-    from solvers.registry import get_solver
+    from planner.solvers.registry import get_solver
 
     block = simulate(graph, get_solver("uniform")(graph, eager))
     dp = simulate(graph, solve_dp(graph, block.peak_bytes))

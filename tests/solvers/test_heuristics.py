@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from solvers.costgraph import Schedule
-from solvers.errors import InfeasibleBudgetError
-from solvers.registry import get_solver
-from solvers.revolve import beta, nested
-from solvers.selective import out_bytes, worth_keeping
-from solvers.simulate import simulate
-from solvers.synthetic import gpt_like_graph
+from planner.solvers.costgraph import Schedule
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import get_solver
+from planner.solvers.revolve import beta, nested
+from planner.solvers.selective import out_bytes, worth_keeping
+from planner.solvers.simulate import simulate
+from tests.solvers.synthetic import gpt_like_graph
 
 GPT = gpt_like_graph(n_layer=4, d_model=64, seq_len=128, batch=2, vocab=128)
 EAGER = simulate(GPT, Schedule()).peak_bytes

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solvers.brute import score_all
-from solvers.costgraph import Schedule
-from solvers.dp import least_peak, solve_dp
-from solvers.errors import InfeasibleBudgetError
-from solvers.ilp import solve_ilp
-from solvers.simulate import simulate
-from solvers.synthetic import gpt_like_graph, random_dag
+from planner.solvers.costgraph import Schedule
+from planner.solvers.dp import least_peak, solve_dp
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.ilp import solve_ilp
+from planner.solvers.simulate import simulate
+from tests.solvers.brute import score_all
+from tests.solvers.synthetic import gpt_like_graph, random_dag
 
 
 def _time_or_least(solve, graph, budget, **opts):
@@ -72,7 +72,7 @@ def test_both_backends_agree_and_report_gap():
 
 def test_ilp_on_a_gpt_like_graph_fits_and_beats_every_block():
     graph = gpt_like_graph(n_layer=2, d_model=64, seq_len=64, batch=2, vocab=128)
-    from solvers.registry import get_solver
+    from planner.solvers.registry import get_solver
 
     block = simulate(graph, get_solver("uniform")(graph, 1e18))
     s = solve_ilp(graph, block.peak_bytes, time_limit_s=20)

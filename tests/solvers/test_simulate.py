@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from solvers.costgraph import CostGraph, GradBuffer, Node, Region, Schedule, Tensor
-from solvers.simulate import InvalidScheduleError, gradient_bytes, simulate
+from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Region, Schedule, Tensor
+from planner.solvers.simulate import InvalidScheduleError, gradient_bytes, simulate
 
 FLOPS = (1, 2, 4)
 

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from passes.step import LossFn, call, split_input, training_loss
+from planner.passes.step import LossFn, call, split_input, training_loss
 
 METHODS = ("auto", "tracker", "cuda", "profiler")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from solvers.costgraph import CostGraph, Region, Schedule
-from solvers.cuts import forbidden_cuts
-from solvers.simulate import simulate
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.simulate import simulate
 
 
 def families(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from solvers.costgraph import CostGraph, Node, Tensor
+from planner.solvers.costgraph import CostGraph, Node, Tensor
 
 
 @dataclass

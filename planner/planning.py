@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
-from passes.capture import capture
-from passes.estimate import estimate
-from passes.rewrite import Region, region_name, rewrite
-from passes.step import LossFn
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.passes.rewrite import Region, region_name, rewrite
+from planner.passes.step import LossFn
 from planner.plan_file import graph_fingerprint
-from solvers.costgraph import CostGraph, Schedule
-from solvers.errors import InvalidBudgetError, UnsupportedModelError
-from solvers.registry import get_solver
-from solvers.simulate import Simulation, simulate
+from planner.solvers.costgraph import CostGraph, Schedule
+from planner.solvers.errors import InvalidBudgetError, UnsupportedModelError
+from planner.solvers.registry import get_solver
+from planner.solvers.simulate import Simulation, simulate
 
 GB = 10**9  # mem_budget_gb counts decimal gigabytes, as its name says
 
