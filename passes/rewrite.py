@@ -1,7 +1,7 @@
 """Rewrite pass: checkpoint regions of a GraphModule become named submodules.
 
 In: a captured ``torch.fx.GraphModule`` (``passes/capture.py``) and a laminar family of
-:class:`Region` s, each a contiguous run of its call nodes named by fx node name. Out: a new
+:class:`NamedRegion` s, each a contiguous run of its call nodes named by fx node name. Out: a new
 GraphModule whose code calls every outermost region as ``self.<region.name>(...)``; nested regions
 are called the same way inside their parent's body. The input module is left untouched.
 
@@ -53,8 +53,12 @@ KINDS = ("recompute", "selective", "offload")
 
 
 @dataclass(frozen=True)
-class Region:
+class NamedRegion:
     """A checkpoint region as users see it: the fx node names it covers, in graph order.
+
+    Public as ``planner.Region`` (``plan.regions``). The solvers' ``solvers.costgraph.Region``
+    is the same region as an index interval [start, stop) of CostGraph nodes;
+    ``planning.named_regions`` names those intervals, ``planning.apply_plan`` maps these back.
 
     ``depth`` 0 is outermost; a region of depth d+1 lies inside one of depth d. ``kind`` is
     'recompute', 'selective' (keep the outputs of ``saved_nodes``, recompute the rest) or
@@ -352,14 +356,14 @@ def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
 @dataclass
 class _Span:
-    region: Region
+    region: NamedRegion
     start: int
     stop: int
     members: set[fx.Node]
     children: list[_Span]
 
 
-def _spans(gm: fx.GraphModule, regions: Sequence[Region], order: list[fx.Node]) -> list[_Span]:
+def _spans(gm: fx.GraphModule, regions: Sequence[NamedRegion], order: list[fx.Node]) -> list[_Span]:
     """Validate regions and arrange them as a forest (outermost first, in graph order)."""
     index = {n.name: i for i, n in enumerate(order)}
     all_names = {n.name: n for n in gm.graph.nodes}
@@ -428,7 +432,7 @@ def _shell(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def rewrite(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.GraphModule:
+def rewrite(gm: fx.GraphModule, regions: Sequence[NamedRegion]) -> fx.GraphModule:
     """Return a copy of ``gm`` in which each region runs as a checkpointed submodule.
 
     Deterministic: the same ``gm`` and regions give the same code. Raises ``ValueError`` for

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from planner.solvers.errors import UnsupportedModelError
+
 ExampleInput = torch.Tensor | tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -57,8 +59,15 @@ def training_loss(output: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         return loss
     leaves = [t for t in floating_leaves(output) if t.requires_grad]
     if not leaves:
-        raise ValueError(
-            "the model's output holds no floating tensor that requires grad, so there is no "
-            "loss to differentiate; pass loss_fn=... to say how to compute the loss"
+        what = (
+            f"a {output.dtype} tensor"
+            if isinstance(output, torch.Tensor)
+            else type(output).__name__
+        )
+        raise UnsupportedModelError(
+            f"the model's output ({what}) holds no floating tensor that "
+            f"requires grad, so there is no loss to differentiate; say how to compute the loss: "
+            f"loss_fn=... (a function of the model's output, returning a scalar tensor), on the "
+            f"command line --loss MODULE:FUNCTION"
         )
     return sum(t.sum() for t in leaves)

@@ -25,28 +25,27 @@ from planner.solvers.errors import (
 if TYPE_CHECKING:
     from planner.comparison import Comparison, compare
     from planner.measurement import Measurement, measure
-    from planner.passes.rewrite import Region
-    from planner.plan_file import apply_plan
-    from planner.planning import Plan, plan
+    from planner.passes.rewrite import NamedRegion as Region
+    from planner.planning import Plan, apply_plan, plan
 
-# public name -> module that defines it
+# public name -> (module that defines it, its name there)
 _LAZY = {
-    "Comparison": "planner.comparison",
-    "compare": "planner.comparison",
-    "Measurement": "planner.measurement",
-    "measure": "planner.measurement",
-    "Region": "planner.passes.rewrite",
-    "Plan": "planner.planning",
-    "plan": "planner.planning",
-    "apply_plan": "planner.plan_file",
+    "Comparison": ("planner.comparison", "Comparison"),
+    "compare": ("planner.comparison", "compare"),
+    "Measurement": ("planner.measurement", "Measurement"),
+    "measure": ("planner.measurement", "measure"),
+    "Region": ("planner.passes.rewrite", "NamedRegion"),
+    "Plan": ("planner.planning", "Plan"),
+    "plan": ("planner.planning", "plan"),
+    "apply_plan": ("planner.planning", "apply_plan"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'planner' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
 

@@ -15,7 +15,6 @@ import math
 import re
 import shutil
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,9 @@ then built from --input-shape/--input-dtype, or a (model, example_input) tuple.
 A budget is the peak memory of one step above what is allocated before it (parameters and
 optimizer state are not counted), written with a unit (2GB, 1.5GiB, 512MiB, 300MB) or as a
 percentage of the predicted peak without checkpointing (50%).
+
+The loss of the step is the model output's .loss when it has one, else the sum of its floating
+outputs; --loss MODULE:FUNCTION names a function of the output that returns the loss instead.
 """
 
 EPILOG = """\
@@ -55,6 +57,9 @@ examples:
 
 In a training script, re-apply a saved plan without solving again:
   p = planner.apply_plan(model, "plan.json", example_input); train p.module
+
+Exit status: 0 done; 2 for arguments that cannot be read, or a model or budget planner cannot
+plan (the message says why and what to change).
 """
 
 
@@ -101,14 +106,16 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def load_factory(spec: str) -> Any:
-    """'package.module:attr' or 'path/to/file.py:attr' -> the attribute (dots walk into it)."""
+def load_callable(spec: str, what: str = "MODEL") -> Any:
+    """'package.module:attr' or 'path/to/file.py:attr' -> the attribute (dots walk into it).
+
+    ``what`` names the argument in errors: MODEL (MODULE:FACTORY) or --loss (MODULE:FUNCTION).
+    """
+    form = "MODULE:FACTORY" if what == "MODEL" else "MODULE:FUNCTION"
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(
-            f"MODEL must be MODULE:FACTORY, e.g. benchmarks.models:gpt_ref_small_example; "
-            f"got {spec!r}"
-        )
+        example = "benchmarks.models:gpt_ref_small_example" if what == "MODEL" else "losses:ce"
+        raise UsageError(f"{what} must be {form}, e.g. {example}; got {spec!r}")
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():
@@ -133,7 +140,7 @@ def load_factory(spec: str) -> Any:
             raise UsageError(f"{module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UsageError(f"{spec} is not callable; FACTORY must be a function or a model class")
+        raise UsageError(f"{spec} is not callable; {what} must name a function or a class")
     return obj
 
 
@@ -141,7 +148,7 @@ def build_example(args: argparse.Namespace) -> tuple[Any, Any]:
     """Call the factory; build the example input from the shape flags when it returns a model."""
     import torch
 
-    factory = load_factory(args.model)
+    factory = load_callable(args.model)
     try:
         kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
     except json.JSONDecodeError as e:
@@ -221,43 +228,37 @@ def _console() -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from planner.passes.capture import capture
-    from planner.passes.estimate import estimate
-    from planner.planning import build_plan
-    from planner.solvers.costgraph import Schedule
+    from planner.planning import price
     from planner.solvers.registry import get_solver
-    from planner.solvers.simulate import simulate
 
     kind, value = parse_budget(args.budget)
     try:
-        solve = get_solver(args.solver)
+        get_solver(args.solver)
     except ValueError as e:
         raise UsageError(f"{e}; see python -m planner solvers") from None
+    loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)
-    with tqdm(total=4, desc="capture", unit="phase", delay=0.5, disable=args.quiet) as bar:
-        captured = capture(model, example_input)
-        bar.update()
-        bar.set_description("estimate")
-        graph = estimate(captured.module, captured.args, captured.kwargs)
-        bar.update()
-        eager_bytes = simulate(graph, Schedule()).peak_bytes
-        budget_bytes = round(value * eager_bytes) if kind == "fraction" else round(value)
-        bar.set_description(f"solve ({args.solver})")
-        t0 = time.perf_counter()
-        schedule = solve(graph, budget_bytes)
-        solve_time_s = time.perf_counter() - t0
-        bar.update()
-        bar.set_description("rewrite")
-        p = build_plan(captured.module, graph, schedule, budget_bytes)
+    with tqdm(total=4, desc="capture", unit="step", delay=0.5, disable=args.quiet) as bar:
+
+        def on_step(step: str) -> None:
+            if step != "capture":
+                bar.update()
+            bar.set_description(step if step != "solve" else f"solve ({args.solver})")
+
+        priced = price(model, example_input, loss_fn=loss_fn, on_step=on_step)
+        budget_bytes = (
+            round(value * priced.eager_peak_bytes) if kind == "fraction" else round(value)
+        )
+        p = priced.plan(budget_bytes, args.solver, on_step=on_step)
         bar.update()
     out = _console()
-    out.print(p.summary(), highlight=False, markup=False)
-    out.print(f"solved in {solve_time_s:.2f} s", highlight=False)
+    out.print(p.summary(verbose=args.verbose), highlight=False, markup=False)
+    out.print(f"solved in {p.solve_time_s:.2f} s", highlight=False)
     if args.measure:
         from planner.measurement import measure
 
-        eager = measure(model, example_input)
-        after = measure(p.module, example_input)
+        eager = measure(model, example_input, loss_fn)
+        after = measure(p.module, example_input, loss_fn)
         out.print(
             f"measured peak: {eager.peak_bytes / MIB:,.1f} MiB eager -> "
             f"{after.peak_bytes / MIB:,.1f} MiB planned; step time {eager.step_time_s:.3f} s -> "
@@ -299,6 +300,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"unknown solver(s) {', '.join(unknown)}; known: {', '.join(solver_names())}"
             )
+    loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)
     c = compare(
         model,
@@ -306,6 +308,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         budgets_gb=budgets_gb,
         solvers=solvers,
         measure=args.measure,
+        loss_fn=loss_fn,
         budget_fractions=fractions,
         progress=not args.quiet,
     )
@@ -357,6 +360,12 @@ def _model_arguments(sub: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="keyword arguments for FACTORY as a JSON object, e.g. '{\"batch\": 2}'",
     )
+    sub.add_argument(
+        "--loss",
+        metavar="MODULE:FUNCTION",
+        help="the loss of one training step: FUNCTION(model output) -> scalar tensor (default: "
+        "the output's .loss, else the sum of its floating outputs)",
+    )
     sub.add_argument("--device", default="cpu", help="device to plan on: cpu (default) or cuda")
     sub.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
@@ -400,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--measure", action="store_true", help="also run and measure a real step")
     plan.add_argument("--timeline", metavar="PNG", help="save the predicted memory timeline")
     plan.add_argument("--show-code", action="store_true", help="print the rewritten module's code")
+    plan.add_argument(
+        "-v", "--verbose", action="store_true", help="also print what the solver reported"
+    )
     plan.set_defaults(run=cmd_plan)
 
     cmp = model_command(
@@ -444,5 +456,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"  on the command line: --budget {math.ceil(least / MIB * 10) / 10}MiB",
                 file=sys.stderr,
             )
-        return 1
+        return 2
     return 0

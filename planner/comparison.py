@@ -15,22 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from planner.passes.capture import capture
-from planner.passes.estimate import estimate
 from planner.passes.step import LossFn
-from planner.solvers.costgraph import Schedule
+from planner.planning import GB, Plan, price
+from planner.report import format_bytes, format_ms
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
 from planner.solvers.registry import SOLVERS, get_solver
-from planner.solvers.simulate import simulate
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from rich.table import Table
-
-    from planner.planning import Plan
-
-MIB = 2**20
-GB = 10**9
 # Cheap, well-known policies first, then the optimising solvers; unknown ones follow by name.
 PREFERRED_ORDER = ("none", "uniform", "sqrt", "revolve", "selective", "greedy", "dp", "ilp")
 DEFAULT_BUDGET_FRACTIONS = (0.8, 0.6, 0.4, 0.2)  # of the predicted eager peak
@@ -50,6 +43,8 @@ class Row:
     solve_time_s: float
     least_feasible_bytes: int | None = None
     note: str = ""
+    # predicted (simulate's roofline estimate), what dp minimises; tables and plots rank by it
+    recompute_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -86,13 +81,27 @@ class Comparison:
 
         return pd.DataFrame([asdict(r) for r in self.rows])
 
-    def _cells(self) -> tuple[list[str], list[list[str]]]:
+    def ranked(self) -> list[Row]:
+        """Rows by budget (as given), and within one budget by predicted recompute time, least
+        first (what dp minimises); rows that do not fit come last."""
+        budgets = list(dict.fromkeys(r.budget_bytes for r in self.rows))
+        return sorted(
+            self.rows,
+            key=lambda r: (
+                budgets.index(r.budget_bytes),
+                not r.feasible,
+                r.recompute_time_s if r.recompute_time_s is not None else float("inf"),
+            ),
+        )
+
+    def _cells(self) -> tuple[list[Row], list[str], list[list[str]]]:
         measured = any(r.measured_peak_bytes is not None for r in self.rows)
         header = ["solver", "budget", "feasible", "predicted peak"]
         header += ["measured peak", "step time ratio"] if measured else []
-        header += ["recompute FLOPs", "solve time"]
+        header += ["recompute time", "recompute FLOPs", "solve time"]
+        rows = self.ranked()
         body = []
-        for r in self.rows:
+        for r in rows:
             solver = r.solver
             if r.note.startswith("chose "):  # 'auto' names the solver it picked
                 solver += f" ({r.note.removeprefix('chose ')})"
@@ -100,7 +109,8 @@ class Comparison:
                 cells = [solver, _mib(r.budget_bytes), "yes", _mib(r.predicted_peak_bytes)]
                 if measured:
                     cells += [_mib(r.measured_peak_bytes), _ratio(r.step_time_ratio)]
-                cells += [f"+{r.recompute_flops_pct:.1f}%", f"{r.solve_time_s:.2f} s"]
+                time_text = "-" if r.recompute_time_s is None else format_ms(r.recompute_time_s)
+                cells += [time_text, f"+{r.recompute_flops_pct:.1f}%", f"{r.solve_time_s:.2f} s"]
             else:
                 least = (
                     f"no: least {_mib(r.least_feasible_bytes)}"
@@ -109,9 +119,9 @@ class Comparison:
                 )
                 cells = [solver, _mib(r.budget_bytes), least, "-"]
                 cells += ["-", "-"] if measured else []
-                cells += ["-", f"{r.solve_time_s:.2f} s"]
+                cells += ["-", "-", f"{r.solve_time_s:.2f} s"]
             body.append(cells)
-        return header, body
+        return rows, header, body
 
     def _caption(self) -> str:
         text = f"eager step: predicted peak {_mib(self.eager_predicted_peak_bytes)}"
@@ -119,11 +129,12 @@ class Comparison:
             text += f", measured peak {_mib(self.eager_measured_peak_bytes)}"
         if self.eager_step_time_s is not None:
             text += f", step time {self.eager_step_time_s * 1e3:,.1f} ms"
-        return text + f"; {self.step_flops / 1e9:,.2f} GFLOPs per step"
+        text += f"; {self.step_flops / 1e9:,.2f} GFLOPs per step"
+        return text + "; recompute time: predicted (roofline)"
 
     def to_markdown(self) -> str:
         """A GitHub markdown table, with the eager reference as its first line."""
-        header, body = self._cells()
+        _, header, body = self._cells()
         lines = [self._caption(), "", "| " + " | ".join(header) + " |"]
         lines.append("|" + "|".join("---" for _ in header) + "|")
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
@@ -132,12 +143,12 @@ class Comparison:
     def __rich__(self) -> Table:
         from rich.table import Table
 
-        header, body = self._cells()
+        rows, header, body = self._cells()
         table = Table(title="planner.compare", caption=self._caption(), title_justify="left")
         for column in header:
             left = column in ("solver", "feasible")
             table.add_column(column, justify="left" if left else "right")
-        for r, cells in zip(self.rows, body):
+        for r, cells in zip(rows, body):
             table.add_row(*cells, style=None if r.feasible else "dim")
         return table
 
@@ -153,22 +164,19 @@ class Comparison:
         out = io.StringIO()
         # force_jupyter=False: in a notebook rich would display the table instead of returning it
         Console(
-            file=out, width=140, force_terminal=False, force_jupyter=False, color_system=None
+            file=out, width=160, force_terminal=False, force_jupyter=False, color_system=None
         ).print(self)
         return out.getvalue()
 
     def plot(self, *, ax: Any = None) -> Figure:
-        """Peak memory vs recompute FLOPs: each solver's Pareto front, eager, the budgets."""
+        """Peak memory vs predicted recompute time: each solver's front, eager, the budgets."""
         from planner.plots import plot_pareto
 
         return plot_pareto(self, ax=ax)
 
 
 def _mib(n_bytes: int | None) -> str:
-    if n_bytes is None:
-        return "-"
-    mib = n_bytes / MIB
-    return f"{mib:,.1f} MiB" if mib >= 10 else f"{mib:.3f} MiB"  # tiny test models stay legible
+    return "-" if n_bytes is None else format_bytes(n_bytes)
 
 
 def _ratio(value: float | None) -> str:
@@ -217,10 +225,10 @@ def compare(
     from tqdm import tqdm
 
     from planner.measurement import measure as measure_step
-    from planner.planning import build_plan
 
     names = list(solvers) if solvers is not None else solver_names()
-    solve_fns = {name: get_solver(name) for name in names}  # unknown names fail before the work
+    for name in names:
+        get_solver(name)  # unknown names fail before the work
     if budgets_gb is not None:
         budgets_bytes = [_gb_to_bytes(gb) for gb in budgets_gb]
         if not budgets_bytes or min(budgets_bytes) <= 0:
@@ -240,15 +248,18 @@ def compare(
         unit="step",
         desc="capture",
     )
+
+    def on_step(step: str) -> None:
+        if step == "estimate":
+            bar.update()
+            bar.set_description("estimate")
+
     try:
         t0 = time.perf_counter()
-        captured = capture(model, example_input)
-        bar.update()
-        bar.set_description("estimate")
-        graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
+        priced = price(model, example_input, loss_fn=loss_fn, on_step=on_step)
         bar.update()
         estimate_time_s = time.perf_counter() - t0
-        eager_predicted = simulate(graph, Schedule()).peak_bytes
+        eager_predicted = priced.eager_peak_bytes
         if budgets_gb is None:
             budgets_bytes = [round(f * eager_predicted) for f in fractions]
 
@@ -256,7 +267,7 @@ def compare(
         if measure:
             bar.set_description("measure eager")
             eager = measure_step(model, example_input, loss_fn, repeats=repeats)
-        step_flops = max(graph.step_flops, 1)
+        step_flops = max(priced.graph.step_flops, 1)
 
         rows: list[Row] = []
         plans: dict[tuple[str, int], Plan] = {}
@@ -265,7 +276,7 @@ def compare(
                 bar.set_description(f"{name} @ {_mib(budget_bytes)}")
                 t0 = time.perf_counter()
                 try:
-                    schedule = solve_fns[name](graph, budget_bytes, **opts.get(name, {}))
+                    p = priced.plan(budget_bytes, name, **opts.get(name, {}))
                 except InfeasibleBudgetError as e:
                     rows.append(
                         _infeasible(name, budget_bytes, time.perf_counter() - t0, least=e.min_bytes)
@@ -283,8 +294,6 @@ def compare(
                     )
                     bar.update()
                     continue
-                solve_time_s = time.perf_counter() - t0
-                p = build_plan(captured.module, graph, schedule, budget_bytes)
                 measured = None
                 if eager is not None:
                     measured = measure_step(p.module, example_input, loss_fn, repeats=repeats)
@@ -296,10 +305,11 @@ def compare(
                         predicted_peak_bytes=p.predicted_peak_bytes,
                         measured_peak_bytes=None if measured is None else measured.peak_bytes,
                         recompute_flops_pct=100 * p.predicted_recompute_flops / step_flops,
+                        recompute_time_s=p.predicted_recompute_time_s,
                         step_time_ratio=None
                         if measured is None
                         else measured.step_time_s / max(eager.step_time_s, 1e-12),
-                        solve_time_s=solve_time_s,
+                        solve_time_s=p.solve_time_s,
                         note="" if name == p.solver else f"chose {p.solver}",
                     )
                 )
@@ -312,7 +322,7 @@ def compare(
         eager_predicted_peak_bytes=eager_predicted,
         eager_measured_peak_bytes=None if eager is None else eager.peak_bytes,
         eager_step_time_s=None if eager is None else eager.step_time_s,
-        step_flops=graph.step_flops,
+        step_flops=priced.graph.step_flops,
         estimate_time_s=estimate_time_s,
         plans=plans,
     )

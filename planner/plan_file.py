@@ -1,11 +1,11 @@
-"""Saved plans: ``plan.save(path)`` and ``planner.apply_plan(model, path, example_input)``.
+"""The saved-plan format: ``plan.save(path)`` writes it, ``planner.apply_plan`` reads it.
 
 The file is JSON: a format tag and version, a fingerprint of the captured graph (node names,
 targets, edges, output shapes and dtypes), the solver, the regions by fx node names and kinds,
-the budget and the predictions, and a checksum over all of it. Applying a plan re-captures the
-model and refuses, with a ``PlanFileError``, any file that is not valid JSON, is from another
-format version, was edited, or does not fit the captured graph: a plan never silently yields a
-different module.
+the budget and the predictions, and a checksum over all of it. Applying a plan
+(``planning.apply_plan``) re-captures the model and refuses, with a ``PlanFileError``, any file
+that is not valid JSON, is from another format version, was edited, or does not fit the captured
+graph: a plan never silently yields a different module.
 """
 
 from __future__ import annotations
@@ -17,12 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from planner.passes.capture import capture
-from planner.passes.estimate import estimate
-from planner.passes.rewrite import Region
-from planner.passes.step import LossFn
-from planner.solvers.costgraph import Region as Span
-from planner.solvers.costgraph import Schedule
+from planner.passes.rewrite import NamedRegion
 from planner.solvers.errors import PlanFileError
 
 if TYPE_CHECKING:
@@ -104,7 +99,7 @@ def load_plan_file(path: str | Path) -> dict[str, Any]:
         )
     try:
         regions = [
-            Region(
+            NamedRegion(
                 name=str(r["name"]),
                 nodes=tuple(str(n) for n in r["nodes"]),
                 depth=int(r["depth"]),
@@ -118,44 +113,3 @@ def load_plan_file(path: str | Path) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{path} is missing or has a malformed field ({e!r}). {fix}") from e
     return body
-
-
-def apply_plan(
-    model: torch.nn.Module,
-    path: str | Path,
-    example_input: Any,
-    *,
-    loss_fn: LossFn | None = None,
-) -> Plan:
-    """Re-capture ``model`` and apply the saved plan at ``path`` without solving again."""
-    from planner.planning import build_plan
-
-    body = load_plan_file(path)
-    captured = capture(model, example_input)
-    fingerprint = graph_fingerprint(captured.module)
-    if fingerprint != body["fingerprint"]:
-        raise PlanFileError(
-            f"the plan in {path} was made for another model or other input shapes (the captured "
-            f"graph's fingerprint differs). Plan this model with planner.plan(...) and save it, "
-            f"or apply the plan to the model and input shapes it was made for."
-        )
-    graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
-    index = {node.name: i for i, node in enumerate(graph.nodes)}
-    spans = []
-    for r in body["regions"]:
-        positions = [index.get(name) for name in r.nodes]
-        if (
-            not positions
-            or None in positions
-            or positions != list(range(positions[0], positions[0] + len(positions)))
-        ):
-            raise PlanFileError(
-                f"region {r.name!r} in {path} does not name a contiguous run of this graph's "
-                f"nodes. Plan this model anew with planner.plan(...)."
-            )
-        saved = frozenset(index[n] for n in r.saved_nodes if n in index)
-        spans.append(Span(positions[0], positions[-1] + 1, r.depth, r.kind, saved))  # type: ignore[arg-type]
-    schedule = Schedule(regions=tuple(spans), solver=body["solver"], note=f"applied from {path}")
-    return build_plan(
-        captured.module, graph, schedule, int(body["budget_bytes"]), regions=body["regions"]
-    )

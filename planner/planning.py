@@ -1,24 +1,49 @@
-"""``plan()``: capture -> estimate -> solve -> rewrite, and the Plan it returns."""
+"""The pipeline: capture -> estimate -> solve -> build, and the Plan it returns.
+
+Every way in goes through here, so every way in makes the same checks and raises the same errors:
+
+- ``plan()`` runs the four steps for one budget;
+- ``apply_plan()`` runs capture and estimate, takes the schedule from a saved file instead of a
+  solver, and builds;
+- ``planner.compare`` and the command line run :func:`price` once (capture, estimate) and
+  :meth:`PricedModel.plan` (solve, build) per solver and budget.
+
+Import order is one way: this module uses ``plan_file`` (the file format) and ``report`` (the
+text), which never import it back.
+"""
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.rewrite import Region, region_name, rewrite
+from planner.passes.rewrite import NamedRegion, region_name, rewrite
 from planner.passes.step import LossFn
-from planner.plan_file import graph_fingerprint
-from planner.solvers.costgraph import CostGraph, Schedule
-from planner.solvers.errors import InvalidBudgetError, UnsupportedModelError
+from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
+from planner.report import plan_summary
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.errors import InvalidBudgetError, PlanFileError, UnsupportedModelError
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import Simulation, simulate
 
 GB = 10**9  # mem_budget_gb counts decimal gigabytes, as its name says
+
+# Called with the name of each step as it starts ("capture", "estimate", "solve", "build"),
+# e.g. to move a progress bar.
+OnStep = Callable[[str], None]
+
+
+def _no_progress(step: str) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -31,7 +56,7 @@ class Plan:
 
     module: torch.fx.GraphModule
     solver: str
-    regions: tuple[Region, ...]
+    regions: tuple[NamedRegion, ...]
     budget_bytes: int
     predicted_peak_bytes: int
     baseline_peak_bytes: int
@@ -41,21 +66,22 @@ class Plan:
     graph: CostGraph = field(repr=False)
     schedule: Schedule = field(repr=False)
     simulation: Simulation = field(repr=False)
+    solve_time_s: float = 0.0  # the solver's wall time (0 for a plan applied from a file)
 
     @property
     def predicted_recompute_time_s(self) -> float:
         return self.simulation.recompute_time_s
 
-    def summary(self) -> str:
-        """A table of the regions and the predicted memory and recompute cost."""
-        from planner.report import plan_summary
+    def summary(self, verbose: bool = False) -> str:
+        """The regions, what each frees and what its recomputation costs, and the totals.
 
-        return plan_summary(self)
+        ``verbose`` adds what the solver reported (its note, optimality gap) and per-region
+        node counts and kept nodes.
+        """
+        return plan_summary(self, verbose=verbose)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str | Path) -> None:
         """Write a versioned JSON that ``planner.apply_plan`` re-applies without solving."""
-        from planner.plan_file import save_plan
-
         save_plan(self, path)
 
 
@@ -73,43 +99,66 @@ def budget_bytes_from_gb(mem_budget_gb: Any) -> int:
     return round(value * GB)
 
 
-def named_regions(gm: torch.fx.GraphModule, graph: CostGraph, schedule: Schedule) -> list[Region]:
-    """Turn a solver's index intervals into named regions of fx node names."""
-    taken: set[str] = set()
-    regions = []
-    for r in sorted(schedule.regions, key=lambda r: (r.start, -r.stop)):
-        nodes = tuple(graph.nodes[i].name for i in range(r.start, r.stop))
-        name = region_name(gm, nodes, taken)
-        taken.add(name)
-        saved = tuple(graph.nodes[i].name for i in sorted(r.saved_nodes))
-        regions.append(Region(name, nodes, depth=r.depth, kind=r.kind, saved_nodes=saved))
-    return regions
+@dataclass(frozen=True)
+class PricedModel:
+    """A model captured and priced once (steps 1 and 2): what every solve of it starts from."""
+
+    module: torch.fx.GraphModule  # the captured graph, sharing the model's parameters
+    graph: CostGraph
+    fingerprint: str
+
+    @cached_property
+    def eager_peak_bytes(self) -> int:
+        """Predicted peak of one step without checkpointing."""
+        return simulate(self.graph, Schedule()).peak_bytes
+
+    def plan(
+        self,
+        budget_bytes: int,
+        solver: str = "auto",
+        *,
+        on_step: OnStep = _no_progress,
+        **solver_opts: Any,
+    ) -> Plan:
+        """Steps 3 and 4: solve for ``budget_bytes`` with ``solver`` and build the plan.
+
+        ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
+        error to raise).
+        """
+        solve = get_solver(solver)
+        on_step("solve")
+        t0 = time.perf_counter()
+        schedule = solve(self.graph, budget_bytes, **solver_opts)
+        solve_time_s = time.perf_counter() - t0
+        on_step("build")
+        return build_plan(
+            self.module, self.graph, schedule, budget_bytes, solve_time_s=solve_time_s
+        )
 
 
-def build_plan(
-    gm: torch.fx.GraphModule,
-    graph: CostGraph,
-    schedule: Schedule,
-    budget_bytes: int,
-    regions: list[Region] | None = None,
-) -> Plan:
-    """Rewrite ``gm`` by ``schedule`` and price it: the last step of ``plan`` and ``apply_plan``."""
-    simulation = simulate(graph, schedule)
-    regions = named_regions(gm, graph, schedule) if regions is None else regions
-    return Plan(
-        module=rewrite(gm, regions),
-        solver=schedule.solver,
-        regions=tuple(regions),
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=simulation.peak_bytes,
-        baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
-        predicted_recompute_flops=simulation.recompute_flops,
-        step_flops=graph.step_flops,
-        fingerprint=graph_fingerprint(gm),
-        graph=graph,
-        schedule=schedule,
-        simulation=simulation,
-    )
+def price(
+    model: torch.nn.Module,
+    example_input: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    on_step: OnStep = _no_progress,
+) -> PricedModel:
+    """Steps 1 and 2 of the pipeline: check the model, capture it, price one training step.
+
+    Raises ``UnsupportedModelError`` for a model with nothing to train or no loss to
+    differentiate (pass ``loss_fn``), ``CaptureError`` when it cannot be captured.
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UnsupportedModelError(
+            f"no parameter of {type(model).__name__} requires grad, so a training step has "
+            f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
+            f"(param.requires_grad_(True)) before planning"
+        )
+    on_step("capture")
+    captured = capture(model, example_input)
+    on_step("estimate")
+    graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
+    return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
 
 
 def plan(
@@ -129,14 +178,90 @@ def plan(
     least feasible budget) when no schedule fits.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
-    solve = get_solver(solver)  # fail on an unknown solver before the slow part
-    if not any(p.requires_grad for p in model.parameters()):
-        raise UnsupportedModelError(
-            f"no parameter of {type(model).__name__} requires grad, so a training step has "
-            f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
-            f"(param.requires_grad_(True)) before planner.plan()"
+    get_solver(solver)  # fail on an unknown solver before the slow part
+    priced = price(model, example_input, loss_fn=loss_fn)
+    return priced.plan(budget_bytes, solver, **solver_opts)
+
+
+def apply_plan(
+    model: torch.nn.Module,
+    path: str | Path,
+    example_input: Any,
+    *,
+    loss_fn: LossFn | None = None,
+) -> Plan:
+    """Re-capture ``model`` and apply the saved plan at ``path`` without solving again.
+
+    Refuses (``PlanFileError``) a file that is malformed, edited, from another format version,
+    or made for another model or other input shapes.
+    """
+    body = load_plan_file(path)
+    priced = price(model, example_input, loss_fn=loss_fn)
+    if priced.fingerprint != body["fingerprint"]:
+        raise PlanFileError(
+            f"the plan in {path} was made for another model or other input shapes (the captured "
+            f"graph's fingerprint differs). Plan this model with planner.plan(...) and save it, "
+            f"or apply the plan to the model and input shapes it was made for."
         )
-    captured = capture(model, example_input)
-    graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
-    schedule = solve(graph, budget_bytes, **solver_opts)
-    return build_plan(captured.module, graph, schedule, budget_bytes)
+    named: list[NamedRegion] = body["regions"]
+    index = {node.name: i for i, node in enumerate(priced.graph.nodes)}
+    spans = []
+    for r in named:
+        start = index.get(r.nodes[0]) if r.nodes else None
+        if start is None or [index.get(n) for n in r.nodes] != list(
+            range(start, start + len(r.nodes))
+        ):
+            raise PlanFileError(
+                f"region {r.name!r} in {path} does not name a contiguous run of this graph's "
+                f"nodes. Plan this model anew with planner.plan(...)."
+            )
+        saved = frozenset(index[n] for n in r.saved_nodes if n in index)
+        spans.append(Region(start, start + len(r.nodes), r.depth, r.kind, saved))  # type: ignore[arg-type]
+    schedule = Schedule(regions=tuple(spans), solver=body["solver"], note=f"applied from {path}")
+    return build_plan(
+        priced.module, priced.graph, schedule, int(body["budget_bytes"]), regions=named
+    )
+
+
+def named_regions(
+    gm: torch.fx.GraphModule, graph: CostGraph, schedule: Schedule
+) -> list[NamedRegion]:
+    """Turn a solver's index intervals into named regions of fx node names."""
+    taken: set[str] = set()
+    regions = []
+    for r in sorted(schedule.regions, key=lambda r: (r.start, -r.stop)):
+        nodes = tuple(graph.nodes[i].name for i in range(r.start, r.stop))
+        name = region_name(gm, nodes, taken)
+        taken.add(name)
+        saved = tuple(graph.nodes[i].name for i in sorted(r.saved_nodes))
+        regions.append(NamedRegion(name, nodes, depth=r.depth, kind=r.kind, saved_nodes=saved))
+    return regions
+
+
+def build_plan(
+    gm: torch.fx.GraphModule,
+    graph: CostGraph,
+    schedule: Schedule,
+    budget_bytes: int,
+    regions: list[NamedRegion] | None = None,
+    *,
+    solve_time_s: float = 0.0,
+) -> Plan:
+    """Step 4: rewrite ``gm`` by ``schedule`` and price the result with ``simulate``."""
+    simulation = simulate(graph, schedule)  # also validates the schedule against the graph
+    regions = named_regions(gm, graph, schedule) if regions is None else regions
+    return Plan(
+        module=rewrite(gm, regions),
+        solver=schedule.solver,
+        regions=tuple(regions),
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=simulation.peak_bytes,
+        baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
+        predicted_recompute_flops=simulation.recompute_flops,
+        step_flops=graph.step_flops,
+        fingerprint=graph_fingerprint(gm),
+        graph=graph,
+        schedule=schedule,
+        simulation=simulation,
+        solve_time_s=solve_time_s,
+    )

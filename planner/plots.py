@@ -5,7 +5,7 @@
   no-checkpointing peak as lines; a measured timeline overlaid when one is given.
 - :func:`plot_nodes`: per node, the bytes it keeps for backward against the bytes a region
   drops (recomputed or offloaded), with attention and skip-connection nodes marked.
-- :func:`plot_pareto`: a Comparison's memory/recompute trade-off, one front per solver.
+- :func:`plot_pareto`: a Comparison's memory/recompute-time trade-off, one front per solver.
 
 Every function returns a ``matplotlib.figure.Figure`` built without pyplot, so nothing depends
 on a display or on the global backend (it renders with Agg on ``savefig``); in a notebook the
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from matplotlib.figure import Figure
 
+from planner.report import dropping_region
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.costgraph import Region as Span
 
@@ -140,21 +141,15 @@ def _align_measured(
 def node_bytes(graph: CostGraph, spans: Sequence[Span]) -> list[tuple[int, int, int]]:
     """Per node: (kept, recomputed, offloaded) bytes of the storages it allocates for backward.
 
-    A storage is dropped when a region holds its producer and every node that saves it; the
-    outermost such region decides (the main forward runs it without saving), unless it is a
-    selective region that keeps the producer's output. What is dropped is recomputed, or held
-    on the host for an offload region.
+    What is dropped (``report.dropping_region``, as the summary counts it) is recomputed, or
+    held on the host for an offload region.
     """
     out = [[0, 0, 0] for _ in graph.nodes]
     for t in graph.tensors:
         if not t.saved_by:
             continue
-        holders = [s for s in spans if t.producer in s and all(u in s for u in t.saved_by)]
-        column = 0
-        if holders:
-            outer = min(holders, key=lambda s: s.depth)
-            if not (outer.kind == "selective" and t.producer in outer.saved_nodes):
-                column = 2 if outer.kind == "offload" else 1
+        region = dropping_region(t, spans)
+        column = 0 if region is None else 2 if region.kind == "offload" else 1
         out[t.producer][column] += t.size_bytes
     return [(k, r, o) for k, r, o in out]
 
@@ -213,23 +208,25 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def plot_pareto(comparison: Comparison, *, ax: Any = None) -> Figure:
-    """Peak memory vs recompute FLOPs (%) for every feasible row, a front per solver.
+    """Peak memory vs predicted recompute time (ms) for every feasible row, a front per solver.
 
-    Uses measured peaks when the comparison measured them, else predicted peaks.
+    Time, not FLOPs: it is what the solvers minimise (pointwise ops cost time and no FLOPs),
+    so a solver called optimal is lowest here at its budget. Uses measured peaks when the
+    comparison measured them, else predicted peaks.
     """
     fig, ax = _figure_and_axes(ax, (8, 5))
-    measured = all(r.measured_peak_bytes is not None for r in comparison.rows if r.feasible)
-    measured = measured and any(r.feasible for r in comparison.rows)
+    feasible = [r for r in comparison.rows if r.feasible and r.recompute_time_s is not None]
+    measured = bool(feasible) and all(r.measured_peak_bytes is not None for r in feasible)
     kind = "measured" if measured else "predicted"
     solvers = list(dict.fromkeys(r.solver for r in comparison.rows))
     for k, solver in enumerate(solvers):
         points = [
             (
                 (r.measured_peak_bytes if measured else r.predicted_peak_bytes) / MIB,
-                r.recompute_flops_pct,
+                r.recompute_time_s * 1e3,
             )
-            for r in comparison.rows
-            if r.solver == solver and r.feasible
+            for r in feasible
+            if r.solver == solver
         ]
         if not points:
             continue
@@ -259,10 +256,10 @@ def plot_pareto(comparison: Comparison, *, ax: Any = None) -> Figure:
     for j, budget in enumerate(sorted({r.budget_bytes for r in comparison.rows})):
         ax.axvline(budget / MIB, color="gray", ls=":", lw=1, label="budgets" if j == 0 else None)
     ax.set_xlabel(f"{kind} peak of one step (MiB)")
-    ax.set_ylabel("recompute FLOPs (% of the eager step)")
+    ax.set_ylabel("predicted recompute time (ms, roofline estimate)")
     ax.set_title("memory / recompute trade-off (lower left is better)")
     ax.set_xlim(left=0)
-    ax.set_ylim(bottom=-1)
+    ax.set_ylim(bottom=-0.03 * ax.get_ylim()[1])  # eager's star sits at 0, on show
     ax.legend(fontsize=8)
     return fig
 

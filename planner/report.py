@@ -1,26 +1,74 @@
-"""Human-readable text for a Plan: ``plan.summary()``."""
+"""Human-readable text for a Plan: ``plan.summary()``, and the byte and FLOP units it prints.
+
+Per region, the summary shows what the region frees and what its recomputation costs; the
+columns add up exactly to the totals it prints, because both come from one attribution:
+
+- bytes: each storage saved for backward that a plan no longer keeps is charged to the one
+  region that drops it (:func:`dropping_region`), so no storage counts twice when regions nest;
+- recompute: ``simulate`` charges every ``recompute:<node>`` event of its timeline to
+  ``Simulation.recompute_flops`` / ``recompute_time_s``; each event is charged here to the
+  innermost region holding that node. A node inside a nested region is run again both by its
+  parent's recomputation and by its own; both runs count in the nested region's column.
+
+The peak falls by less than the bytes freed: recomputation holds memory of its own in backward
+(``simulate`` prices that, and the summary prints both).
+"""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from planner.solvers.costgraph import CostGraph
-from planner.solvers.costgraph import Region as Span
+from planner.solvers.costgraph import CostGraph, Region, Tensor
 
 if TYPE_CHECKING:
     from planner.planning import Plan
 
+MIB = 2**20
+GIB = 2**30
 
-def mib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**20:,.1f} MiB"
+
+def format_bytes(n_bytes: float) -> str:
+    """Bytes in MiB, or GiB from 1 GiB on; small sizes keep three decimals to stay legible."""
+    if abs(n_bytes) >= GIB:
+        return f"{n_bytes / GIB:,.2f} GiB"
+    mib = n_bytes / MIB
+    return f"{mib:,.1f} MiB" if abs(mib) >= 10 else f"{mib:.3f} MiB"
 
 
-def dropped_bytes(graph: CostGraph, span: Span) -> int:
-    """Bytes the region no longer keeps for backward: storages made and saved inside it."""
+def format_flops(flops: float) -> str:
+    return f"{flops / 1e9:,.3f} GFLOPs"
+
+
+def format_ms(time_s: float) -> str:
+    return f"{time_s * 1e3:,.2f} ms"
+
+
+def dropping_region(t: Tensor, spans: Sequence[Region]) -> Region | None:
+    """The region that stops ``t`` being kept for backward, or None when it is still kept.
+
+    A storage is dropped when a region holds its producer and every node that saves it; the
+    outermost such region decides (the main forward runs it without saving), unless it is a
+    selective region that keeps the producer's output.
+    """
+    if not t.saved_by:
+        return None
+    holders = [s for s in spans if t.producer in s and all(u in s for u in t.saved_by)]
+    if not holders:
+        return None
+    outer = min(holders, key=lambda s: s.depth)
+    if outer.kind == "selective" and t.producer in outer.saved_nodes:
+        return None
+    return outer
+
+
+def dropped_bytes(graph: CostGraph, span: Region) -> int:
+    """Bytes ``span`` alone would no longer keep: storages made and saved inside it."""
     return sum(
         t.size_bytes
         for t in graph.tensors
@@ -31,7 +79,44 @@ def dropped_bytes(graph: CostGraph, span: Span) -> int:
     )
 
 
-def model_parts(graph: CostGraph, span: Span, limit: int = 3) -> str:
+@dataclass(frozen=True)
+class RegionCost:
+    """One summary row: what a region frees and what recomputing it costs (module docstring)."""
+
+    name: str
+    kind: str
+    freed_bytes: int  # saved storages no longer kept on the device (recomputed or offloaded)
+    recompute_flops: int
+    recompute_time_s: float
+
+
+def region_costs(plan: Plan) -> list[RegionCost]:
+    """Per region, in ``plan.regions`` order; sums equal the plan's totals (module docstring)."""
+    graph = plan.graph
+    spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
+    freed = dict.fromkeys(spans, 0)
+    for t in graph.tensors:
+        if (span := dropping_region(t, spans)) is not None:
+            freed[span] += t.size_bytes
+    flops = dict.fromkeys(spans, 0)
+    time_s = dict.fromkeys(spans, 0.0)
+    index = {node.name: i for i, node in enumerate(graph.nodes)}
+    for event, _ in plan.simulation.timeline:
+        phase, _, name = event.partition(":")
+        if phase != "recompute":
+            continue
+        i = index[name]
+        innermost = max((s for s in spans if i in s), key=lambda s: s.depth)
+        flops[innermost] += graph.nodes[i].fwd_flops
+        time_s[innermost] += graph.node_time_s(i)
+    return [
+        RegionCost(r.name, r.kind, freed[s], flops[s], time_s[s])
+        for r, s in zip(plan.regions, spans)
+    ]
+
+
+def model_parts(graph: CostGraph, span: Region, limit: int = 3) -> str:
+    """The model's modules a region covers, outermost paths first, e.g. ``blocks.0, blocks.1``."""
     parts: list[str] = []
     for i in range(span.start, span.stop):
         path = graph.nodes[i].module_path
@@ -41,37 +126,66 @@ def model_parts(graph: CostGraph, span: Span, limit: int = 3) -> str:
     return shown + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
 
 
-def plan_summary(plan: Plan) -> str:
+def plan_summary(plan: Plan, verbose: bool = False) -> str:
+    """The text of ``plan.summary(verbose)``."""
     graph, sim = plan.graph, plan.simulation
-    step = max(graph.step_flops, 1)
+    step_flops = max(graph.step_flops, 1)
     saving = 1 - plan.predicted_peak_bytes / max(plan.baseline_peak_bytes, 1)
+    costs = region_costs(plan)
+    freed_bytes = sum(c.freed_bytes for c in costs)
     lines = [
-        f"planner: solver {plan.solver!r}, budget {mib(plan.budget_bytes)} "
+        f"planner: solver {plan.solver!r}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_bytes / 1e9:.3f} GB)",
-        f"predicted peak {mib(plan.predicted_peak_bytes)} vs {mib(plan.baseline_peak_bytes)} "
-        f"without checkpointing ({saving:.1%} less)",
-        f"recompute {plan.predicted_recompute_flops / 1e9:,.2f} GFLOPs "
-        f"(+{plan.predicted_recompute_flops / step:.1%} of the step's FLOPs), "
-        f"~{sim.recompute_time_s * 1e3:,.1f} ms estimated",
+        f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
+        f"{format_bytes(plan.baseline_peak_bytes)} without checkpointing ({saving:.1%} less)",
+        f"recompute {format_flops(sim.recompute_flops)} "
+        f"(+{sim.recompute_flops / step_flops:.1%} of the step's FLOPs), about "
+        f"{format_ms(sim.recompute_time_s)} estimated",
     ]
-    if plan.schedule.note:
-        lines.append(plan.schedule.note)
-    table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
-    for column in ("region", "kind", "depth", "nodes", "covers", "not kept", "recompute"):
-        table.add_column(column, justify="right" if column in ("not kept", "recompute") else "left")
-    spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
-    for region, span in zip(plan.regions, spans):
-        table.add_row(
-            region.name,
-            region.kind,
-            str(region.depth),
-            str(len(region.nodes)),
-            model_parts(graph, span),
-            mib(dropped_bytes(graph, span)),
-            f"{sum(graph.nodes[i].fwd_flops for i in range(span.start, span.stop)) / 1e9:,.2f} GF",
+    if plan.regions:
+        lines.append(
+            f"{len(plan.regions)} regions free {format_bytes(freed_bytes)} kept for backward "
+            f"without checkpointing; the peak falls by less because recomputation needs memory "
+            f"too"
         )
+    if verbose:
+        gap = plan.schedule.gap
+        lines.append(
+            f"solver: {plan.schedule.note or 'no note'}; optimality gap "
+            f"{'unknown' if gap is None else f'{gap:.1%}'}; solved in {plan.solve_time_s:.2f} s "
+            f"on {len(graph.nodes)} graph nodes"
+        )
+    table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
+    columns = ["region", "kind", "covers", "frees", "recompute", "recompute time"]
+    if verbose:
+        columns[2:2] = ["depth", "nodes", "kept nodes"]
+    for column in columns:
+        numeric = column in ("frees", "recompute", "recompute time", "depth", "nodes")
+        table.add_column(column, justify="right" if numeric else "left")
+    spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
+    for region, span, cost in zip(plan.regions, spans, costs):
+        cells = [
+            "  " * region.depth + region.name,
+            region.kind,
+            model_parts(graph, span),
+            format_bytes(cost.freed_bytes),
+            format_flops(cost.recompute_flops),
+            format_ms(cost.recompute_time_s),
+        ]
+        if verbose:
+            cells[2:2] = [str(region.depth), str(len(region.nodes)), str(len(region.saved_nodes))]
+        table.add_row(*cells)
+    if plan.regions:
+        total = ["total", "", "", format_bytes(freed_bytes)]
+        total += [format_flops(sim.recompute_flops), format_ms(sim.recompute_time_s)]
+        if verbose:
+            total[2:2] = ["", "", ""]
+        table.add_section()
+        table.add_row(*total)
     out = io.StringIO()
     Console(
         file=out, width=120, force_terminal=False, force_jupyter=False, color_system=None
     ).print(table)
+    if not verbose:
+        out.write("solver details: plan.summary(verbose=True)\n")
     return "\n".join(lines) + "\n" + out.getvalue()

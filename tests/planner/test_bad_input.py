@@ -202,5 +202,6 @@ def test_ilp_hitting_its_time_limit_falls_back_and_says_so():
     assert p.solver == "dp"  # the fallback answered, and the plan says which solver did
     note = p.schedule.note.lower()
     assert "dp" in note and ("time limit" in note or "no solution in" in note)
-    assert p.schedule.note in p.summary()
+    assert p.schedule.note in p.summary(verbose=True)  # solver internals: the verbose view
+    assert "solver 'dp'" in p.summary()
     assert_same_step(model, p.module, x)

@@ -17,6 +17,7 @@ import pytest
 import planner
 from benchmarks.models import gpt_ref_small_example
 from planner.cli import UsageError, main, parse_budget, parse_budgets, parse_shape
+from planner.report import format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = "benchmarks.models:gpt_ref_small_example"
@@ -184,10 +185,92 @@ def test_usage_errors_exit_2_with_the_fix(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_an_infeasible_budget_exits_1_naming_the_least_feasible_one(capsys):
+def test_an_infeasible_budget_exits_2_naming_the_least_feasible_one(capsys):
     code = main(["plan", GPT, "--budget", "1KiB", "--solver", "uniform", "-q"])
-    assert code == 1
+    assert code == 2
     err = capsys.readouterr().err
     assert "InfeasibleBudgetError" in err and "least feasible budget" in err
     assert "on the command line: --budget" in err
     assert "Traceback" not in err
+
+
+# --- the same pipeline, checks and errors as planner.plan -----------------------------------------
+
+COMPLEX_NET = """\
+import torch
+
+
+class ComplexNet(torch.nn.Module):
+    # Its output is complex: no floating tensor to sum, so a training step needs a loss.
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)
+        )
+
+    def forward(self, x):
+        return torch.view_as_complex(self.fc(x).reshape(*x.shape[:-1], 4, 2))
+
+
+def build():
+    torch.manual_seed(0)
+    return ComplexNet(), torch.randn(4, 8)
+
+
+def frozen():
+    model, x = build()
+    return model.requires_grad_(False), x
+
+
+def loss(out):
+    return out.abs().sum()
+"""
+
+
+@pytest.fixture
+def complex_net(tmp_path):
+    source = tmp_path / "complex_net.py"
+    source.write_text(COMPLEX_NET)
+    return source
+
+
+def test_a_frozen_model_exits_2_with_the_apis_error_and_no_traceback(complex_net, capsys):
+    code = main(["plan", f"{complex_net}:frozen", "--budget", "1GB", "--solver", "none", "-q"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "UnsupportedModelError" in err and "requires grad" in err and "ComplexNet" in err
+    assert "Traceback" not in err and "loss_fn" not in err
+    # the same error, word for word, as the API raises
+    namespace: dict = {}
+    exec(COMPLEX_NET, namespace)
+    with pytest.raises(planner.UnsupportedModelError) as info:
+        planner.plan(*namespace["frozen"](), mem_budget_gb=1.0, solver="none")
+    assert str(info.value) in err
+
+
+def test_a_model_that_needs_a_loss_says_so_and_plans_with_loss(complex_net, capsys, tmp_path):
+    argv = ["plan", f"{complex_net}:build", "--budget", "1GB", "--solver", "uniform", "-q"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "UnsupportedModelError" in err and "--loss MODULE:FUNCTION" in err
+    assert "complex64 tensor" in err and "Traceback" not in err
+
+    out = tmp_path / "plan.json"
+    assert main([*argv, "--loss", f"{complex_net}:loss", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    body = json.loads(out.read_text())
+    # the plan the command line saved is the one the API makes with the same loss
+    namespace: dict = {}
+    exec(COMPLEX_NET, namespace)
+    model, x = namespace["build"]()
+    p = planner.plan(model, x, mem_budget_gb=1.0, solver="uniform", loss_fn=namespace["loss"])
+    assert body["predictions"]["peak_bytes"] == p.predicted_peak_bytes
+    assert [r["nodes"] for r in body["regions"]] == [list(r.nodes) for r in p.regions]
+    assert f"predicted peak {format_bytes(p.predicted_peak_bytes)}" in printed
+
+
+def test_loss_must_name_a_function(complex_net, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", f"{complex_net}:build", "--budget", "1GB", "--loss", "nolosshere"])
+    assert info.value.code == 2
+    assert "--loss must be MODULE:FUNCTION" in capsys.readouterr().err

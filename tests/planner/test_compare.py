@@ -174,6 +174,7 @@ def hand_comparison(measured: bool = False) -> Comparison:
                     rng.uniform(0, 40),
                     1.2 if measured else None,
                     0.5,
+                    recompute_time_s=rng.uniform(0, 0.05),
                 )
             )
     return Comparison(
@@ -216,7 +217,7 @@ def test_pareto_plot_draws_each_solvers_front_eager_and_budgets():
     ax = c.plot().axes[0]
     for solver in ("uniform", "dp"):
         points = [
-            (r.predicted_peak_bytes / MIB, r.recompute_flops_pct)
+            (r.predicted_peak_bytes / MIB, r.recompute_time_s * 1e3)  # ranked by time, as dp
             for r in c.rows
             if r.solver == solver and r.feasible
         ]
@@ -236,6 +237,7 @@ def test_pareto_plot_draws_each_solvers_front_eager_and_budgets():
 @pytest.fixture(scope="module")
 def compared():
     import planner.comparison as compare_module
+    import planner.planning as pipeline
 
     model, example_input = gpt_ref_small_example()
     calls = {"capture": 0, "estimate": 0}
@@ -248,8 +250,8 @@ def compared():
         return wrapped
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compare_module, "capture", counting("capture", compare_module.capture))
-        mp.setattr(compare_module, "estimate", counting("estimate", compare_module.estimate))
+        mp.setattr(pipeline, "capture", counting("capture", pipeline.capture))
+        mp.setattr(pipeline, "estimate", counting("estimate", pipeline.estimate))
         c = compare_module.compare(
             model,
             example_input,
@@ -313,11 +315,12 @@ def test_compared_plans_train_exactly_like_the_model(compared):
 
 def test_compare_refuses_unknown_solvers_and_bad_budgets_before_capturing(monkeypatch):
     import planner.comparison as compare_module
+    import planner.planning as pipeline
 
     def no_capture(*args, **kwargs):
         raise AssertionError("captured before checking its arguments")
 
-    monkeypatch.setattr(compare_module, "capture", no_capture)
+    monkeypatch.setattr(pipeline, "capture", no_capture)
     model, example_input = gpt_ref_small_example()
     with pytest.raises(ValueError, match="unknown solver 'nope'"):
         compare_module.compare(model, example_input, [1.0], solvers=["nope"])
