@@ -10,8 +10,8 @@ columns add up exactly to the totals it prints, because both come from one attri
   innermost region holding that node. A node inside a nested region is run again both by its
   parent's recomputation and by its own; both runs count in the nested region's column.
 
-The peak falls by less than the bytes freed: recomputation holds memory of its own in backward
-(``simulate`` prices that, and the summary prints both).
+The bytes freed are not the fall in peak: recomputation holds memory of its own in backward,
+and the peak may lie elsewhere; ``simulate`` prices the peak, and the summary prints both.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ def format_bytes(n_bytes: float) -> str:
     return f"{mib:,.1f} MiB" if abs(mib) >= 10 else f"{mib:.3f} MiB"
 
 
-def format_flops(flops: float) -> str:
-    return f"{flops / 1e9:,.3f} GFLOPs"
+def format_flops(flops: float, unit_flops: float = 1e9) -> str:
+    """FLOPs in GFLOPs, or in MFLOPs with ``unit_flops=1e6`` (one unit for a whole table)."""
+    name = "GFLOPs" if unit_flops == 1e9 else "MFLOPs"
+    return f"{flops / unit_flops:,.3f} {name}"
 
 
 def format_ms(time_s: float) -> str:
@@ -133,20 +135,21 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     saving = 1 - plan.predicted_peak_bytes / max(plan.baseline_peak_bytes, 1)
     costs = region_costs(plan)
     freed_bytes = sum(c.freed_bytes for c in costs)
+    unit = 1e9 if sim.recompute_flops >= 1e9 else 1e6  # tiny models stay legible
     lines = [
         f"planner: solver {plan.solver!r}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_bytes / 1e9:.3f} GB)",
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
         f"{format_bytes(plan.baseline_peak_bytes)} without checkpointing ({saving:.1%} less)",
-        f"recompute {format_flops(sim.recompute_flops)} "
+        f"recompute {format_flops(sim.recompute_flops, unit)} "
         f"(+{sim.recompute_flops / step_flops:.1%} of the step's FLOPs), about "
         f"{format_ms(sim.recompute_time_s)} estimated",
     ]
     if plan.regions:
         lines.append(
-            f"{len(plan.regions)} regions free {format_bytes(freed_bytes)} kept for backward "
-            f"without checkpointing; the peak falls by less because recomputation needs memory "
-            f"too"
+            f"{len(plan.regions)} regions keep {format_bytes(freed_bytes)} less for backward "
+            f"(recomputed or offloaded instead); the predicted peak counts what recomputation "
+            f"needs itself"
         )
     if verbose:
         gap = plan.schedule.gap
@@ -169,7 +172,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             region.kind,
             model_parts(graph, span),
             format_bytes(cost.freed_bytes),
-            format_flops(cost.recompute_flops),
+            format_flops(cost.recompute_flops, unit),
             format_ms(cost.recompute_time_s),
         ]
         if verbose:
@@ -177,7 +180,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         table.add_row(*cells)
     if plan.regions:
         total = ["total", "", "", format_bytes(freed_bytes)]
-        total += [format_flops(sim.recompute_flops), format_ms(sim.recompute_time_s)]
+        total += [format_flops(sim.recompute_flops, unit), format_ms(sim.recompute_time_s)]
         if verbose:
             total[2:2] = ["", "", ""]
         table.add_section()

@@ -1,0 +1,124 @@
+"""plan.summary(): per-region bytes freed and recompute cost that add up to the printed totals.
+
+The decomposition is checked on every laminar family of small random graphs (nested, selective
+and offload regions) against ``simulate``'s totals, and end to end on a planned tiny GPT.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import planner
+from benchmarks.models import gpt_ref_small_example
+from planner.plots import node_bytes
+from planner.report import format_bytes, format_flops, format_ms, region_costs
+from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.simulate import simulate
+from tests.solvers.brute import families
+from tests.solvers.synthetic import gpt_like_graph, random_dag
+
+
+def fake_plan(graph, regions):
+    """What region_costs reads from a Plan: graph, schedule, simulation, named regions."""
+    schedule = Schedule(regions=tuple(regions), solver="hand")
+    spans = sorted(regions, key=lambda r: (r.start, -r.stop))
+    named = [SimpleNamespace(name=f"r{k}", kind=r.kind) for k, r in enumerate(spans)]
+    return SimpleNamespace(
+        graph=graph, schedule=schedule, simulation=simulate(graph, schedule), regions=named
+    )
+
+
+def assert_adds_up(plan):
+    costs = region_costs(plan)
+    sim = plan.simulation
+    assert sum(c.recompute_flops for c in costs) == sim.recompute_flops
+    assert sum(c.recompute_time_s for c in costs) == pytest.approx(sim.recompute_time_s)
+    # bytes: every dropped storage is charged to exactly one region, as the node plot shows
+    per_node = node_bytes(plan.graph, list(plan.schedule.regions))
+    assert sum(c.freed_bytes for c in costs) == sum(r + o for _, r, o in per_node)
+    return costs
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(3, 6))
+def test_per_region_costs_add_up_to_simulates_totals(seed, n):
+    rng = random.Random(seed)
+    graph = random_dag(rng, n)
+    forbidden = forbidden_cuts(graph)
+    allowed = [
+        f
+        for f in families(0, n)
+        if f and not any(r.start in forbidden or r.stop in forbidden for r in f)
+    ]
+    if not allowed:
+        return
+    regions = []
+    for r in rng.choice(allowed):
+        kind = rng.choice(["recompute", "recompute", "selective", "offload"])
+        if r.depth > 0 or any(o.depth > 0 and r.covers(o) for o in regions):
+            kind = "recompute"  # nested regions as solvers make them: recompute inside
+        saved = frozenset(i for i in range(r.start, r.stop) if rng.random() < 0.4)
+        regions.append(
+            Region(r.start, r.stop, r.depth, kind, saved if kind == "selective" else frozenset())
+        )
+    assert_adds_up(fake_plan(graph, regions))
+
+
+def test_nested_regions_charge_each_recomputed_node_to_the_innermost_region():
+    graph = gpt_like_graph(n_layer=2, d_model=32, n_head=2, seq_len=16, batch=2, vocab=64)
+    block, inner = Region(2, 20), Region(4, 12, depth=1)
+    costs = assert_adds_up(fake_plan(graph, [block, inner]))
+    alone = region_costs(fake_plan(graph, [block]))[0]
+    # the block's recomputation still runs the inner nodes once; the inner region's own
+    # recomputation runs them again: both runs are the inner region's
+    inner_nodes = sum(graph.nodes[i].fwd_flops for i in range(4, 12))
+    assert costs[0].recompute_flops + costs[1].recompute_flops == (
+        alone.recompute_flops + inner_nodes
+    )
+    assert costs[1].recompute_flops == 2 * inner_nodes
+    # and the block frees what it froze alone: the inner region drops nothing the block keeps
+    assert costs[0].freed_bytes + costs[1].freed_bytes == alone.freed_bytes
+    assert costs[1].freed_bytes == 0
+
+
+@pytest.fixture(scope="module")
+def nested_plan():
+    model, example_input = gpt_ref_small_example()
+    eager = planner.plan(model, example_input, 1.0, solver="none").baseline_peak_bytes
+    p = planner.plan(model, example_input, 0.65 * eager / 1e9, solver="dp")
+    assert any(r.depth > 0 for r in p.regions)  # the case where per-region sums could drift
+    return p
+
+
+def test_summary_rows_add_up_to_the_totals_it_prints(nested_plan):
+    p = nested_plan
+    costs = assert_adds_up(p)
+    text = p.summary()
+    unit = 1e9 if p.predicted_recompute_flops >= 1e9 else 1e6
+    total = text.split("total", 1)[1].splitlines()[0]
+    assert format_bytes(sum(c.freed_bytes for c in costs)) in total
+    assert format_flops(p.predicted_recompute_flops, unit) in total
+    assert format_ms(p.predicted_recompute_time_s) in total
+    for region, cost in zip(p.regions, costs):
+        row = next(line for line in text.splitlines() if f" {region.name} " in line)
+        assert format_flops(cost.recompute_flops, unit) in row
+        assert format_ms(cost.recompute_time_s) in row
+        assert format_bytes(cost.freed_bytes) in row
+    assert f"recompute {format_flops(p.predicted_recompute_flops, unit)}" in text
+
+
+def test_solver_internals_only_in_the_verbose_summary(nested_plan):
+    p = nested_plan
+    assert p.schedule.note  # dp says how it searched
+    assert p.schedule.note not in p.summary()
+    assert "boundaries" not in p.summary() and "rounded" not in p.summary()
+    verbose = p.summary(verbose=True)
+    assert p.schedule.note in verbose
+    for word in ("MiB", "MFLOPs", "ms", "solver 'dp'"):
+        assert word in p.summary()
