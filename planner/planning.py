@@ -26,7 +26,7 @@ import torch
 
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.rewrite import NamedRegion, region_name, rewrite
+from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
 from planner.passes.step import LossFn
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
@@ -207,16 +207,15 @@ def apply_plan(
     index = {node.name: i for i, node in enumerate(priced.graph.nodes)}
     spans = []
     for r in named:
-        start = index.get(r.nodes[0]) if r.nodes else None
-        if start is None or [index.get(n) for n in r.nodes] != list(
-            range(start, start + len(r.nodes))
-        ):
+        try:
+            start, stop = node_interval(r, index)
+        except ValueError as e:
             raise PlanFileError(
                 f"region {r.name!r} in {path} does not name a contiguous run of this graph's "
-                f"nodes. Plan this model anew with planner.plan(...)."
-            )
+                f"nodes ({e}). Plan this model anew with planner.plan(...)."
+            ) from None
         saved = frozenset(index[n] for n in r.saved_nodes if n in index)
-        spans.append(Region(start, start + len(r.nodes), r.depth, r.kind, saved))  # type: ignore[arg-type]
+        spans.append(Region(start, stop, r.depth, r.kind, saved))  # type: ignore[arg-type]
     schedule = Schedule(regions=tuple(spans), solver=body["solver"], note=f"applied from {path}")
     return build_plan(
         priced.module, priced.graph, schedule, int(body["budget_bytes"]), regions=named
