@@ -82,13 +82,15 @@ def validate(graph: CostGraph, schedule: Schedule) -> None:
                     f"region {r} has a boundary at cut {c}, before node {graph.nodes[c].name}: "
                     f"a storage produced before it is written in place at or after it"
                 )
-    for a_i, a in enumerate(regions):
-        for b in regions[a_i + 1 :]:
-            overlap = a.start < b.stop and b.start < a.stop
-            if overlap and not (a.covers(b) or b.covers(a)):
-                raise InvalidScheduleError(f"regions {a} and {b} overlap without nesting")
-            if a == b:
-                raise InvalidScheduleError(f"region {a} appears twice")
+    enclosing: list[Region] = []  # sorted by (start, -stop): the chain of regions around r
+    for r in regions:
+        while enclosing and enclosing[-1].stop <= r.start:
+            enclosing.pop()
+        if enclosing and enclosing[-1] == r:
+            raise InvalidScheduleError(f"region {r} appears twice")
+        if enclosing and r.stop > enclosing[-1].stop:
+            raise InvalidScheduleError(f"regions {enclosing[-1]} and {r} overlap without nesting")
+        enclosing.append(r)
 
 
 def gradient_bytes(graph: CostGraph) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -139,6 +141,22 @@ class _Replay:
         self.starts_at: list[list[Region]] = [[] for _ in graph.nodes]
         for r in self.regions:
             self.starts_at[r.start].append(r)
+        # Each region's children (regions one level deeper inside it), and for each node of a
+        # context the child it lies in: looked up at every node, so built once.
+        self.kids: dict[Region, list[Region]] = {ROOT: []}
+        enclosing: list[Region] = []
+        for r in self.regions:
+            while enclosing and enclosing[-1].stop <= r.start:
+                enclosing.pop()
+            self.kids[r] = []
+            if r.depth == 0:
+                self.kids[ROOT].append(r)
+            else:
+                up = next((e for e in reversed(enclosing) if e.depth == r.depth - 1), None)
+                if up is not None:
+                    self.kids[up].append(r)
+            enclosing.append(r)
+        self.owners: dict[int, dict[int, Region]] = {}  # id(children list) -> node -> child
         state_prefix = [0]
         for nd in graph.nodes:
             state_prefix.append(state_prefix[-1] + nd.state_bytes)
@@ -185,17 +203,15 @@ class _Replay:
             self.peak_bytes, self.peak_event = now, event
 
     def children(self, ctx: Region) -> list[Region]:
-        inner = [r for r in self.regions if r.depth == ctx.depth + 1]
-        if ctx is ROOT:
-            return inner
-        return [r for r in inner if ctx.covers(r)]
+        return self.kids[ctx]
 
-    @staticmethod
-    def _owner(i: int, children: list[Region]) -> Region | None:
-        for r in children:
-            if i in r:
-                return r
-        return None
+    def _owner(self, i: int, children: list[Region]) -> Region | None:
+        """The region among ``children`` (one context's, disjoint) that holds node ``i``."""
+        key = id(children)
+        table = self.owners.get(key)
+        if table is None:
+            table = self.owners[key] = {j: r for r in children for j in range(r.start, r.stop)}
+        return table.get(i)
 
     # -- the two passes ------------------------------------------------------------------------
     def forward(self, ctx: Region, label: str) -> None:
