@@ -62,6 +62,9 @@ DEFAULT_GRID = 2048
 # A long region crosses at most this many coarse cuts (4 transformer blocks): longer ones
 # multiply the states (every cut of the region, for each length) for little gain.
 DEFAULT_COARSE_SPAN = 8
+# Graphs with more region boundaries than this are coarsened into stages first: the work grows
+# with boundaries times span cubed, and past a few hundred it no longer fits a time limit.
+DEFAULT_MAX_BOUNDS = 384
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,9 @@ class DPOptions(SolverOptions):
     no longer than it) allows every interval. ``max_depth`` caps the nesting (None: any depth).
     ``grid`` bounds the memory steps (bytes are rounded up to budget / grid; exact when that is
     1). ``selective`` also offers top-level selective regions between coarse cuts (matmul
-    outputs kept, the rest recomputed)."""
+    outputs kept, the rest recomputed). ``max_bounds``: on a graph with more region boundaries
+    than this, dp first coarsens it into that many stages (see :func:`stage_bounds`) and
+    searches regions whose boundaries are stage boundaries (None: never)."""
 
     max_span: int | None = DEFAULT_SPAN
     coarse_cuts: int | None = None
@@ -80,6 +85,7 @@ class DPOptions(SolverOptions):
     grid: int = DEFAULT_GRID
     selective: bool = True
     coarse_span: int = DEFAULT_COARSE_SPAN
+    max_bounds: int | None = DEFAULT_MAX_BOUNDS
 
 
 class OutOfTime(Exception):
@@ -606,6 +612,20 @@ def coarse_cut_points(graph: CostGraph, count: int | None) -> list[int]:
     return sorted({0, n, *seeds})
 
 
+def stage_bounds(graph: CostGraph, bounds: tuple[int, ...], count: int | None) -> tuple[int, ...]:
+    """The region boundaries dp searches: all of ``bounds`` when there are at most ``count``;
+    else about ``count`` of them, so that each run of nodes between two (a pointwise chain, a
+    view, a scan's steps) becomes one stage: the cheapest cut near each of ``count`` even
+    positions, the repeated blocks' boundaries and seams (:func:`coarse_cut_points`), and the
+    ends of the graph's region spans. Each is moved to the boundary at or before it."""
+    if count is None or len(bounds) <= count:
+        return bounds
+    picked = set(coarse_cut_points(graph, count))
+    if graph.region_spans is not None:
+        picked |= {c for span in graph.region_spans for c in span}
+    return tuple(sorted({bounds[bisect.bisect_right(bounds, c) - 1] for c in picked}))
+
+
 @dataclass(frozen=True)
 class Solved:
     """One run of the programme up to ``cap_bytes``: ask it for any budget up to that."""
@@ -643,6 +663,7 @@ def solve_all(
     ``deadline``, a ``time.perf_counter()`` value)."""
     unit = max(1, math.ceil(cap_bytes / options.grid))
     p = prices(graph, unit)
+    p = replace(p, bounds=stage_bounds(graph, p.bounds, options.max_bounds))
     span = p.n if options.max_span is None else options.max_span
     coarse = coarse_cut_points(graph, options.coarse_cuts)
     prog = _Programme(
@@ -691,20 +712,25 @@ def least_peak(graph: CostGraph, options: DPOptions = DPOptions()) -> int:
     return least_memory_schedule(graph, options)[0]
 
 
-def _space_note(graph: CostGraph, options: DPOptions) -> str:
+def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
+    """(whether the space is every laminar family of the graph's regions, what it is)."""
     every = options.max_span is None or len(graph.nodes) <= options.max_span
     note = "every interval" if every else f"spans <= {options.max_span} boundaries or coarse cuts"
+    bounds = tuple(region_bounds(graph))
+    staged = stage_bounds(graph, bounds, options.max_bounds)
+    if len(staged) < len(bounds):
+        every = False
+        note = f"boundaries at {len(staged)} stage cuts of {len(bounds)}, {note}"
     if options.max_depth is not None:
         note += f", depth <= {options.max_depth}"
-    return note
+    return every, note
 
 
 def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, deadline: float):
     """(regions, note, gap) of the least recompute time within budget over ``options``'
     space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
     eager = simulate(graph, Schedule()).peak_bytes
-    note = _space_note(graph, options)
-    every = options.max_span is None or len(graph.nodes) <= options.max_span
+    every, note = _space(graph, options)
     for with_selective in (True, False) if options.selective else (False,):
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
