@@ -615,15 +615,27 @@ def coarse_cut_points(graph: CostGraph, count: int | None) -> list[int]:
 def stage_bounds(graph: CostGraph, bounds: tuple[int, ...], count: int | None) -> tuple[int, ...]:
     """The region boundaries dp searches: all of ``bounds`` when there are at most ``count``;
     else about ``count`` of them, so that each run of nodes between two (a pointwise chain, a
-    view, a scan's steps) becomes one stage: the cheapest cut near each of ``count`` even
-    positions, the repeated blocks' boundaries and seams (:func:`coarse_cut_points`), and the
-    ends of the graph's region spans. Each is moved to the boundary at or before it."""
+    view, a scan's steps) becomes one stage. Each repeated block gets the same number of stage
+    cuts at the same offsets (the cheapest cuts near even positions inside it, its boundaries
+    included), so equal blocks stay equal and the programme shares their work; the rest of the
+    graph gets the cheapest cuts near even positions, and the graph's region spans keep their
+    ends. Each is moved to the boundary at or before it."""
     if count is None or len(bounds) <= count:
         return bounds
-    picked = set(coarse_cut_points(graph, count))
+    n = len(graph.nodes)
+    spans = block_spans(graph)
+    if spans:
+        inside = sum(b - a for a, b in spans)
+        per_block = max(1, round(count * inside / n / len(spans)))
+        picked = {c for a, b in spans for c in even_cuts(graph, per_block, a, b)}
+        for lo, hi in ((0, spans[0][0]), (spans[-1][1], n)):
+            if hi > lo:
+                picked |= set(even_cuts(graph, max(1, round(count * (hi - lo) / n)), lo, hi))
+    else:
+        picked = set(even_cuts(graph, count))
     if graph.region_spans is not None:
         picked |= {c for span in graph.region_spans for c in span}
-    return tuple(sorted({bounds[bisect.bisect_right(bounds, c) - 1] for c in picked}))
+    return tuple(sorted({bounds[bisect.bisect_right(bounds, c) - 1] for c in picked | {0, n}}))
 
 
 @dataclass(frozen=True)
