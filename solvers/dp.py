@@ -53,7 +53,7 @@ from planner.solvers.greedy import GreedyOptions, solve_greedy
 from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.revolve import RevolveOptions, solve_revolve
 from planner.solvers.selective import out_bytes, worth_keeping
-from planner.solvers.simulate import gradient_bytes, simulate
+from planner.solvers.simulate import gradient_bytes, region_peak, simulate
 
 INF = math.inf
 DEFAULT_SPAN = 8
@@ -331,30 +331,7 @@ class _Programme:
             fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i])
             alive -= ends.pop(i, 0)
         # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
-        saved_in = {
-            t: [s for s in p.savers[t] if c <= s < j] for i in range(c, j) for t in p.produced[i]
-        }
-        # kept nodes are skipped in recomputation, so they do not read anything there
-        last_in = {
-            t: max([p.producer[t], *[u for u in p.needers[t] if u < j and u not in keep_set]])
-            for t in saved_in
-        }
-        own = [t for i in range(c, j) if i not in keep_set for t in p.produced[i]]
-        live, inner, ends = 0, 0, {}
-        for i in range(c, j):
-            if i in keep_set:
-                continue
-            for t in p.produced[i]:
-                live += p.size[t]
-                if not saved_in[t]:
-                    ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
-            inner = max(inner, live + p.fwd_temp[i])
-            live -= ends.pop(i, 0)
-        for i in range(c, j):
-            held_here = sum(
-                p.size[t] for t in own if p.producer[t] <= i and any(s <= i for s in saved_in[t])
-            )
-            inner = max(inner, p.grad_at_bwd[i] - p.grad_after[j] + p.bwd_temp[i] + held_here)
+        inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
         held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
         held += sum(p.size[t] for t in cached)
         kept_bytes, nxt = 0, []

@@ -41,7 +41,7 @@ from planner.solvers.dp import (
 )
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import SolverOptions, register, time_limit_text
-from planner.solvers.simulate import simulate
+from planner.solvers.simulate import region_peak, simulate
 
 FULL_NODES = 40  # up to this many nodes every interval is a candidate
 # Short spans on large graphs: half dp's, so the MILP on GPT-ref (about 1,200 candidates)
@@ -210,7 +210,7 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
 
     # Each candidate region: what the step keeps meanwhile plus its own working set.
     for k, r in enumerate(regions):
-        own = own_working_set(p, r)
+        own = region_peak(p, r.start, r.stop)
         coef = {fin[r.stop]: 1.0}
         for t in crossing[r.stop]:
             if p.producer[t] < r.start:
@@ -226,33 +226,6 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
             coef[k] = big_m
             mdl.row(coef, hi=budget_bytes - own + big_m)
     return mdl, x
-
-
-def own_working_set(p, r: Region) -> int:
-    """Peak of a region's recomputation and backward, above what the step keeps meanwhile."""
-    a, b = r.start, r.stop
-    inside = [t for i in range(a, b) for t in p.produced[i]]
-    last_in = {t: max([p.producer[t], *[u for u in p.needers[t] if u < b]]) for t in inside}
-    saved_in = {t: [s for s in p.savers[t] if a <= s < b] for t in inside}
-    fwd_peak, live = 0, 0
-    ends: dict[int, int] = {}
-    for i in range(a, b):
-        for t in p.produced[i]:
-            live += p.size[t]
-            if not saved_in[t]:  # else saved inside: it stays for the region's backward
-                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
-        fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
-        live -= ends.pop(i, 0)
-    # At node i's backward the region holds what something at or before i saves.
-    from_node = [0] * (b - a)
-    for t in inside:
-        if saved_in[t]:
-            from_node[min(saved_in[t]) - a] += p.size[t]
-    bwd_peak, held = 0, 0
-    for i in range(a, b):
-        held += from_node[i - a]
-        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
-    return max(bwd_peak, p.grad_after[b] + fwd_peak)
 
 
 @dataclass(frozen=True)

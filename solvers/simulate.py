@@ -46,7 +46,9 @@ Peak is in bytes above the step's starting baseline (parameters and inputs are n
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import forbidden_cuts
@@ -390,6 +392,57 @@ def stop_node(graph: CostGraph, region: Region, children: list[Region]) -> tuple
             # an offload region (not a checkpoint) reached is replayed whole
             last = (i, True) if inner is None else (inner.stop - 1, False)
     return last
+
+
+class RegionPrices(Protocol):
+    """Per-storage and per-node numbers (bytes, or a solver's rounded units) that
+    :func:`region_peak` reads; ``planner.solvers.dp.prices`` builds them."""
+
+    size: Sequence[int]
+    producer: Sequence[int]
+    produced: Sequence[Sequence[int]]  # storages each node allocates (held_to_end ones aside)
+    needers: Sequence[Sequence[int]]  # sorted forward readers and savers after the producer
+    savers: Sequence[Sequence[int]]
+    fwd_temp: Sequence[int]
+    bwd_temp: Sequence[int]
+    grad_at_bwd: Sequence[int]  # gradient bytes at node i's backward (Rule 4)
+    grad_after: Sequence[int]  # the same once node i's backward is done (index n: none done)
+
+
+def region_peak(p: RegionPrices, start: int, stop: int, keep: Collection[int] = ()) -> int:
+    """Peak of region [start, stop)'s recomputation and backward, with nothing nested in it and
+    recomputed to its end, above what the rest of the step keeps meanwhile (gradient buffers
+    included): Rules 1, 2 and 4 in closed form, what a DP or an ILP prices a region at. Nodes
+    in ``keep`` (a selective region's, Rule 6) are not recomputed and read nothing; their
+    cached outputs are not counted here (the first forward holds them)."""
+    inside = [t for i in range(start, stop) if i not in keep for t in p.produced[i]]
+    saved_in = {t: [s for s in p.savers[t] if start <= s < stop] for t in inside}
+    # the last recomputed reader; kept nodes do not run again
+    last_in = {
+        t: max([p.producer[t], *[u for u in p.needers[t] if u < stop and u not in keep]])
+        for t in inside
+    }
+    fwd_peak, live = 0, 0
+    ends: dict[int, int] = {}
+    for i in range(start, stop):
+        if i in keep:
+            continue
+        for t in p.produced[i]:
+            live += p.size[t]
+            if not saved_in[t]:  # else saved inside: it stays for the region's backward
+                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
+        fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
+        live -= ends.pop(i, 0)
+    # At node i's backward the region holds what something at or before i saves (Rule 1).
+    from_node = [0] * (stop - start)
+    for t in inside:
+        if saved_in[t]:
+            from_node[min(saved_in[t]) - start] += p.size[t]
+    bwd_peak, held = 0, 0
+    for i in range(start, stop):
+        held += from_node[i - start]
+        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
+    return max(bwd_peak, p.grad_after[stop] + fwd_peak)
 
 
 def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
