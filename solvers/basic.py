@@ -3,33 +3,38 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from planner.solvers.common import finish, segments_to_regions
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
-from planner.solvers.registry import register
+from planner.solvers.registry import SolverOptions, register
+
+
+@dataclass(frozen=True)
+class UniformOptions(SolverOptions):
+    """``k``: consecutive blocks per region (None: 1); ``n_segments``: that many regions
+    instead of ``k``."""
+
+    k: int | None = None
+    n_segments: int | None = None
 
 
 @register("none")
-def solve_none(graph: CostGraph, budget_bytes: float, **opts) -> Schedule:
+def solve_none(graph: CostGraph, budget_bytes: float, options: SolverOptions) -> Schedule:
     """No regions: the eager step. Raises if even that exceeds the budget."""
     return finish(graph, budget_bytes, [], "none")
 
 
-@register("uniform")
-def solve_uniform(
-    graph: CostGraph,
-    budget_bytes: float,
-    k: int | None = None,
-    n_segments: int | None = None,
-    **opts,
-) -> Schedule:
+@register("uniform", options=UniformOptions)
+def solve_uniform(graph: CostGraph, budget_bytes: float, options: UniformOptions) -> Schedule:
     """Checkpoint every group of ``k`` consecutive blocks (default 1: every block).
 
     Blocks are the graph's repeated modules (``blocks.3``); without them, the graph is split
     into segments at cheap cuts. ``n_segments`` asks for that many regions instead of ``k``.
     Nodes before the first and after the last block (embedding, head, loss) stay as they are.
     """
+    k, n_segments = options.k, options.n_segments
     spans = block_spans(graph)
     if spans:
         bounds = [spans[0][0]] + [stop for _, stop in spans]
@@ -42,7 +47,7 @@ def solve_uniform(
 
 
 @register("sqrt")
-def solve_sqrt(graph: CostGraph, budget_bytes: float, **opts) -> Schedule:
+def solve_sqrt(graph: CostGraph, budget_bytes: float, options: SolverOptions) -> Schedule:
     """Chen et al. 2016: about sqrt(N) regions of about sqrt(N) units each.
 
     Units are the repeated blocks when there are any (so a region never splits a block),

@@ -40,7 +40,8 @@ from __future__ import annotations
 import bisect
 import math
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,9 +49,11 @@ from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, block_spans, crossing_bytes, even_cuts, region_bounds
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.registry import register
+from planner.solvers.greedy import GreedyOptions, solve_greedy
+from planner.solvers.registry import SolverOptions, register, time_limit_text
+from planner.solvers.revolve import RevolveOptions, solve_revolve
 from planner.solvers.selective import out_bytes, worth_keeping
-from planner.solvers.simulate import gradient_bytes, simulate
+from planner.solvers.simulate import gradient_bytes, region_peak, simulate
 
 INF = math.inf
 DEFAULT_SPAN = 8
@@ -59,6 +62,34 @@ DEFAULT_GRID = 2048
 # A long region crosses at most this many coarse cuts (4 transformer blocks): longer ones
 # multiply the states (every cut of the region, for each length) for little gain.
 DEFAULT_COARSE_SPAN = 8
+# Graphs with more region boundaries than this are coarsened into stages first: the work grows
+# with boundaries times span cubed, and past a few hundred it no longer fits a time limit.
+DEFAULT_MAX_BOUNDS = 384
+
+
+@dataclass(frozen=True)
+class DPOptions(SolverOptions):
+    """dp's search space. A region may span up to ``max_span`` boundaries from any cut, or run
+    between two coarse cuts (block boundaries and ``coarse_cuts`` spread ones, None: one per 8
+    nodes, at most 24) at most ``coarse_span`` coarse cuts apart; ``max_span=None`` (or a graph
+    no longer than it) allows every interval. ``max_depth`` caps the nesting (None: any depth).
+    ``grid`` bounds the memory steps (bytes are rounded up to budget / grid; exact when that is
+    1). ``selective`` also offers top-level selective regions between coarse cuts (matmul
+    outputs kept, the rest recomputed). ``max_bounds``: on a graph with more region boundaries
+    than this, dp first coarsens it into that many stages (see :func:`stage_bounds`) and
+    searches regions whose boundaries are stage boundaries (None: never)."""
+
+    max_span: int | None = DEFAULT_SPAN
+    coarse_cuts: int | None = None
+    max_depth: int | None = None
+    grid: int = DEFAULT_GRID
+    selective: bool = True
+    coarse_span: int = DEFAULT_COARSE_SPAN
+    max_bounds: int | None = DEFAULT_MAX_BOUNDS
+
+
+class OutOfTime(Exception):
+    """The programme passed its deadline; what it had built is incomplete and dropped."""
 
 
 @dataclass(frozen=True)
@@ -200,8 +231,10 @@ class _Programme:
         grid: int,
         coarse_span: int,
         selective: bool,
+        deadline: float | None = None,
     ) -> None:
         self.p = p
+        self.deadline = deadline
         # Region boundaries only after nodes that allocate (a cut after a view is the same cut
         # as the one before it, and skipping it leaves fewer states), never where an in-place
         # write forbids them.
@@ -298,30 +331,7 @@ class _Programme:
             fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i])
             alive -= ends.pop(i, 0)
         # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
-        saved_in = {
-            t: [s for s in p.savers[t] if c <= s < j] for i in range(c, j) for t in p.produced[i]
-        }
-        # kept nodes are skipped in recomputation, so they do not read anything there
-        last_in = {
-            t: max([p.producer[t], *[u for u in p.needers[t] if u < j and u not in keep_set]])
-            for t in saved_in
-        }
-        own = [t for i in range(c, j) if i not in keep_set for t in p.produced[i]]
-        live, inner, ends = 0, 0, {}
-        for i in range(c, j):
-            if i in keep_set:
-                continue
-            for t in p.produced[i]:
-                live += p.size[t]
-                if not saved_in[t]:
-                    ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
-            inner = max(inner, live + p.fwd_temp[i])
-            live -= ends.pop(i, 0)
-        for i in range(c, j):
-            held_here = sum(
-                p.size[t] for t in own if p.producer[t] <= i and any(s <= i for s in saved_in[t])
-            )
-            inner = max(inner, p.grad_at_bwd[i] - p.grad_after[j] + p.bwd_temp[i] + held_here)
+        inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
         held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
         held += sum(p.size[t] for t in cached)
         kept_bytes, nxt = 0, []
@@ -454,6 +464,8 @@ class _Programme:
         got = self.memo.get(key)
         if got is not None:
             return got[0]
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise OutOfTime
         p, size = self.p, self.size
         options: list = []
         # Nodes up to the next boundary run unchecked in this context.
@@ -577,6 +589,32 @@ def coarse_cut_points(graph: CostGraph, count: int | None) -> list[int]:
     return sorted({0, n, *seeds})
 
 
+def stage_bounds(graph: CostGraph, bounds: tuple[int, ...], count: int | None) -> tuple[int, ...]:
+    """The region boundaries dp searches: all of ``bounds`` when there are at most ``count``;
+    else about ``count`` of them, so that each run of nodes between two (a pointwise chain, a
+    view, a scan's steps) becomes one stage. Each repeated block gets the same number of stage
+    cuts at the same offsets (the cheapest cuts near even positions inside it, its boundaries
+    included), so equal blocks stay equal and the programme shares their work; the rest of the
+    graph gets the cheapest cuts near even positions, and the graph's region spans keep their
+    ends. Each is moved to the boundary at or before it."""
+    if count is None or len(bounds) <= count:
+        return bounds
+    n = len(graph.nodes)
+    spans = block_spans(graph)
+    if spans:
+        inside = sum(b - a for a, b in spans)
+        per_block = max(1, round(count * inside / n / len(spans)))
+        picked = {c for a, b in spans for c in even_cuts(graph, per_block, a, b)}
+        for lo, hi in ((0, spans[0][0]), (spans[-1][1], n)):
+            if hi > lo:
+                picked |= set(even_cuts(graph, max(1, round(count * (hi - lo) / n)), lo, hi))
+    else:
+        picked = set(even_cuts(graph, count))
+    if graph.region_spans is not None:
+        picked |= {c for span in graph.region_spans for c in span}
+    return tuple(sorted({bounds[bisect.bisect_right(bounds, c) - 1] for c in picked | {0, n}}))
+
+
 @dataclass(frozen=True)
 class Solved:
     """One run of the programme up to ``cap_bytes``: ask it for any budget up to that."""
@@ -607,20 +645,26 @@ class Solved:
 def solve_all(
     graph: CostGraph,
     cap_bytes: float,
-    max_span: int | None = DEFAULT_SPAN,
-    coarse_cuts: int | None = None,
-    max_depth: int | None = None,
-    grid: int = DEFAULT_GRID,
-    selective: bool = True,
-    coarse_span: int = DEFAULT_COARSE_SPAN,
+    options: DPOptions = DPOptions(),
+    deadline: float | None = None,
 ) -> Solved:
-    """Run the programme once for every budget up to ``cap_bytes``. ``selective`` also offers
-    selective regions (kept matmul outputs) between coarse cuts at the top level."""
-    unit = max(1, math.ceil(cap_bytes / grid))
+    """Run the programme once for every budget up to ``cap_bytes`` (OutOfTime past
+    ``deadline``, a ``time.perf_counter()`` value)."""
+    unit = max(1, math.ceil(cap_bytes / options.grid))
     p = prices(graph, unit)
-    span = p.n if max_span is None else max_span
-    coarse = coarse_cut_points(graph, coarse_cuts)
-    prog = _Programme(p, coarse, span, max_depth, int(cap_bytes // unit), coarse_span, selective)
+    p = replace(p, bounds=stage_bounds(graph, p.bounds, options.max_bounds))
+    span = p.n if options.max_span is None else options.max_span
+    coarse = coarse_cut_points(graph, options.coarse_cuts)
+    prog = _Programme(
+        p,
+        coarse,
+        span,
+        options.max_depth,
+        int(cap_bytes // unit),
+        options.coarse_span,
+        options.selective,
+        deadline,
+    )
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
     try:
@@ -630,7 +674,9 @@ def solve_all(
     return Solved(graph, prog, root)
 
 
-def least_memory_schedule(graph: CostGraph, **opts) -> tuple[int, Schedule]:
+def least_memory_schedule(
+    graph: CostGraph, options: DPOptions = DPOptions(), deadline: float | None = None
+) -> tuple[int, Schedule]:
     """The programme's least-memory schedule and its peak by ``simulate``.
 
     Solved twice: on the eager peak's grid to find it roughly, then on a grid up to that
@@ -638,7 +684,7 @@ def least_memory_schedule(graph: CostGraph, **opts) -> tuple[int, Schedule]:
     cap = simulate(graph, Schedule()).peak_bytes
     best: tuple[int, Schedule] | None = None
     for _ in range(2):
-        solved = solve_all(graph, cap, **opts)
+        solved = solve_all(graph, cap, options, deadline)
         least = solved.least_bytes()
         if least is None:
             break
@@ -650,65 +696,96 @@ def least_memory_schedule(graph: CostGraph, **opts) -> tuple[int, Schedule]:
     return best
 
 
-def least_peak(graph: CostGraph, **opts) -> int:
+def least_peak(graph: CostGraph, options: DPOptions = DPOptions()) -> int:
     """The least peak (by ``simulate``) of the programme's least-memory schedule."""
-    return least_memory_schedule(graph, **opts)[0]
+    return least_memory_schedule(graph, options)[0]
 
 
-@register("dp")
-def solve_dp(
-    graph: CostGraph,
-    budget_bytes: float,
-    max_span: int | None = DEFAULT_SPAN,
-    coarse_cuts: int | None = None,
-    max_depth: int | None = None,
-    grid: int = DEFAULT_GRID,
-    selective: bool = True,
-    coarse_span: int = DEFAULT_COARSE_SPAN,
-    **opts,
-) -> Schedule:
-    """Least recompute time within the budget over nested regions.
+def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
+    """(whether the space is every laminar family of the graph's regions, what it is)."""
+    every = options.max_span is None or len(graph.nodes) <= options.max_span
+    note = "every interval" if every else f"spans <= {options.max_span} boundaries or coarse cuts"
+    bounds = tuple(region_bounds(graph))
+    staged = stage_bounds(graph, bounds, options.max_bounds)
+    if len(staged) < len(bounds):
+        every = False
+        note = f"boundaries at {len(staged)} stage cuts of {len(bounds)}, {note}"
+    if options.max_depth is not None:
+        note += f", depth <= {options.max_depth}"
+    return every, note
 
-    A region may span up to ``max_span`` nodes from any cut, or run between two of the
-    coarse cuts (block boundaries and ``coarse_cuts`` spread ones) at most ``coarse_span``
-    coarse cuts apart; with ``max_span=None`` (or a graph no longer than it) every interval is
-    allowed. ``grid`` bounds the memory steps (bytes are rounded up to budget / grid; exact
-    when that is 1). ``max_depth`` caps the nesting (None: any depth). ``selective`` also
-    offers top-level selective regions between coarse cuts, which keep the matmul outputs and
-    recompute the rest (when ``simulate`` prices the answer above the budget, the programme
-    answers again without them).
 
-    Feasibility is monotone in the budget: when the budget's own grid finds nothing that
-    ``simulate`` fits (rounding up, or a model disagreement), the least-memory schedule (one
-    schedule, whatever the budget) answers if it fits, and its peak is the least budget the
-    error states. So every budget above a stated least is planned.
-    """
+def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, deadline: float):
+    """(regions, note, gap) of the least recompute time within budget over ``options``'
+    space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
     eager = simulate(graph, Schedule()).peak_bytes
-    if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
-        return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
-    kw = dict(
-        max_span=max_span,
-        coarse_cuts=coarse_cuts,
-        max_depth=max_depth,
-        grid=grid,
-        coarse_span=coarse_span,
-    )
-    every = max_span is None or len(graph.nodes) <= max_span
-    note = "every interval" if every else f"spans <= {max_span} boundaries or coarse cuts"
-    if max_depth is not None:
-        note += f", depth <= {max_depth}"
-    for with_selective in (True, False) if selective else (False,):
-        solved = solve_all(graph, min(float(budget_bytes), eager), selective=with_selective, **kw)
+    every, note = _space(graph, options)
+    for with_selective in (True, False) if options.selective else (False,):
+        opts = replace(options, selective=with_selective)
+        solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
         schedule = solved.schedule(budget_bytes)
         if schedule is None or simulate(graph, schedule).peak_bytes > budget_bytes:
             continue  # rounding lost it, or simulate prices selective recomputation higher
         if solved.unit_bytes > 1:
             note += f", bytes rounded up to {solved.unit_bytes}"
         exact = every and solved.unit_bytes == 1
-        return finish(graph, budget_bytes, schedule.regions, "dp", note, gap=0.0 if exact else None)
-    least, schedule = least_memory_schedule(graph, **kw, selective=False)
+        return schedule.regions, note, 0.0 if exact else None
+    opts = replace(options, selective=False)
+    least, schedule = least_memory_schedule(graph, opts, deadline)
     if least > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
-    exact = every and eager <= grid and least == budget_bytes
-    note += ", least-memory schedule"
-    return finish(graph, budget_bytes, schedule.regions, "dp", note, gap=0.0 if exact else None)
+    exact = every and eager <= options.grid and least == budget_bytes
+    return schedule.regions, note + ", least-memory schedule", 0.0 if exact else None
+
+
+@register("dp", options=DPOptions)
+def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Schedule:
+    """Least recompute time within the budget over nested regions (the space: DPOptions).
+
+    Feasibility is monotone in the budget: when the budget's own grid finds nothing that
+    ``simulate`` fits (rounding up, or a model disagreement), the least-memory schedule (one
+    schedule, whatever the budget) answers if it fits, and its peak is the least budget the
+    error states. So every budget above a stated least is planned.
+
+    Bounded by ``options.time_limit_s``: a programme cut short answers nothing, so dp then
+    searches a smaller space (no selective regions, no nesting) in the time left, and past
+    that answers with ``greedy``'s schedule; the note says which.
+    """
+    start = time.perf_counter()
+    deadline = start + options.time_limit_s
+    eager = simulate(graph, Schedule()).peak_bytes
+    if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
+        return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
+    limit = time_limit_text(options)
+    try:  # the whole space gets 60% of the time, a smaller one 20%, the fallback the rest
+        regions, note, gap = _solve_within(
+            graph, budget_bytes, options, start + 0.6 * options.time_limit_s
+        )
+        return finish(graph, budget_bytes, regions, "dp", note, gap=gap)
+    except OutOfTime:
+        pass
+    smaller = replace(options, selective=False, max_depth=1)
+    try:
+        regions, note, _ = _solve_within(
+            graph, budget_bytes, smaller, start + 0.8 * options.time_limit_s
+        )
+        note = f"cut short at the {limit}: searched {note} only"
+        return finish(graph, budget_bytes, regions, "dp", note)
+    except OutOfTime:
+        pass
+    # Out of time: greedy (cheap, anytime), else revolve, whose deep nesting reaches the least
+    # memory of the fixed policies.
+    found, least = None, None
+    for solve, opts in ((solve_greedy, GreedyOptions), (solve_revolve, RevolveOptions)):
+        left_s = max(0.0, deadline - time.perf_counter())
+        try:
+            found = solve(graph, budget_bytes, opts(time_limit_s=left_s))
+            break
+        except InfeasibleBudgetError as e:
+            least = e.min_bytes if least is None else min(least, e.min_bytes)
+    if found is None:
+        detail = f"(solver 'dp', cut short at the {limit}: a longer time_limit_s may fit)"
+        raise InfeasibleBudgetError(budget_bytes, least, detail)
+    fallback = found
+    note = f"dp cut short at the {limit}; {fallback.solver} answered ({fallback.note})"
+    return Schedule(fallback.regions, fallback.solver, None, note)

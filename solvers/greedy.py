@@ -9,11 +9,14 @@ schedule within budget wins.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, crossing_bytes
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.registry import register
+from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.simulate import simulate
 
 
@@ -52,17 +55,31 @@ def segments(graph: CostGraph, threshold_bytes: float, cuts: list[int]) -> list[
     return regions  # the last segment [start, n) stays unchecked
 
 
-@register("greedy")
-def solve_greedy(graph: CostGraph, budget_bytes: float, n_thresholds: int = 48, **opts) -> Schedule:
+@dataclass(frozen=True)
+class GreedyOptions(SolverOptions):
+    """``n_thresholds``: how many segment thresholds are tried."""
+
+    n_thresholds: int = 48
+
+
+@register("greedy", options=GreedyOptions)
+def solve_greedy(graph: CostGraph, budget_bytes: float, options: GreedyOptions) -> Schedule:
     """Cheapest within budget over thresholds spaced geometrically from the smallest node's
-    kept bytes to all of them."""
+    kept bytes to all of them. Anytime: past the time limit it answers with the best
+    threshold tried so far (the note says how many)."""
+    n_thresholds = options.n_thresholds
+    deadline = options.deadline()
     kept = [b for b in kept_bytes(graph) if b > 0] or [1]
     lo, hi = min(kept), sum(kept)
     cuts = seams(graph)
     best: tuple[float, int, tuple[Region, ...]] | None = None
     least = None
     seen = set()
+    tried = 0
     for k in range(n_thresholds + 1):
+        if tried and time.perf_counter() > deadline:
+            break
+        tried += 1
         threshold = lo * (hi / lo) ** (k / n_thresholds)
         regions = tuple(segments(graph, threshold, cuts))
         if regions in seen:
@@ -76,4 +93,7 @@ def solve_greedy(graph: CostGraph, budget_bytes: float, n_thresholds: int = 48, 
                 best = key
     if best is None:
         raise InfeasibleBudgetError(budget_bytes, least, "(solver 'greedy')")
-    return finish(graph, budget_bytes, best[2], "greedy", f"{len(best[2])} segments")
+    note = f"{len(best[2])} segments"
+    if tried < n_thresholds + 1:
+        note += f"; {time_limit_text(options)}: {tried} thresholds tried"
+    return finish(graph, budget_bytes, best[2], "greedy", note)

@@ -25,17 +25,23 @@ On large graphs the candidates are the intervals ``dp`` uses (short spans plus c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, region_bounds
-from planner.solvers.dp import DEFAULT_COARSE_SPAN, coarse_cut_points, least_peak, prices, solve_dp
+from planner.solvers.dp import (
+    DEFAULT_COARSE_SPAN,
+    DPOptions,
+    coarse_cut_points,
+    prices,
+    solve_dp,
+)
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.registry import register
-from planner.solvers.simulate import simulate
+from planner.solvers.registry import SolverOptions, register, time_limit_text
+from planner.solvers.simulate import region_peak, simulate
 
 FULL_NODES = 40  # up to this many nodes every interval is a candidate
 # Short spans on large graphs: half dp's, so the MILP on GPT-ref (about 1,200 candidates)
@@ -204,7 +210,7 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
 
     # Each candidate region: what the step keeps meanwhile plus its own working set.
     for k, r in enumerate(regions):
-        own = own_working_set(p, r)
+        own = region_peak(p, r.start, r.stop)
         coef = {fin[r.stop]: 1.0}
         for t in crossing[r.stop]:
             if p.producer[t] < r.start:
@@ -220,33 +226,6 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
             coef[k] = big_m
             mdl.row(coef, hi=budget_bytes - own + big_m)
     return mdl, x
-
-
-def own_working_set(p, r: Region) -> int:
-    """Peak of a region's recomputation and backward, above what the step keeps meanwhile."""
-    a, b = r.start, r.stop
-    inside = [t for i in range(a, b) for t in p.produced[i]]
-    last_in = {t: max([p.producer[t], *[u for u in p.needers[t] if u < b]]) for t in inside}
-    saved_in = {t: [s for s in p.savers[t] if a <= s < b] for t in inside}
-    fwd_peak, live = 0, 0
-    ends: dict[int, int] = {}
-    for i in range(a, b):
-        for t in p.produced[i]:
-            live += p.size[t]
-            if not saved_in[t]:  # else saved inside: it stays for the region's backward
-                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
-        fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
-        live -= ends.pop(i, 0)
-    # At node i's backward the region holds what something at or before i saves.
-    from_node = [0] * (b - a)
-    for t in inside:
-        if saved_in[t]:
-            from_node[min(saved_in[t]) - a] += p.size[t]
-    bwd_peak, held = 0, 0
-    for i in range(a, b):
-        held += from_node[i - a]
-        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
-    return max(bwd_peak, p.grad_after[b] + fwd_peak)
 
 
 @dataclass(frozen=True)
@@ -326,31 +305,45 @@ def solve_cbc(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | None:
     return Result(chosen, optimal, 0.0 if optimal else None, seconds)
 
 
-def warm_start(graph: CostGraph, budget_bytes: float, regions: list[Region], **dp_opts):
-    """dp's best non-nested schedule (its space is a subset of the candidates), as the indices
-    of its regions among ``regions``, or None when dp finds none within budget."""
+def dp_answer(graph: CostGraph, budget_bytes: float, dp: DPOptions):
+    """dp's schedule over ``dp``'s space, or the InfeasibleBudgetError it raised."""
     try:
-        schedule = solve_dp(graph, budget_bytes, max_depth=1, selective=False, **dp_opts)
-    except InfeasibleBudgetError:
+        return solve_dp(graph, budget_bytes, dp)
+    except InfeasibleBudgetError as e:
+        return e
+
+
+def warm_start(answer, regions: list[Region]) -> list[int] | None:
+    """dp's answer as the indices of its regions among ``regions`` (its non-nested space is a
+    subset of the candidates), or None when dp found nothing or ran out of time."""
+    if not isinstance(answer, Schedule) or answer.solver != "dp":
         return None
     index = {(r.start, r.stop): k for k, r in enumerate(regions)}
-    chosen = [index.get((r.start, r.stop)) for r in schedule.regions]
+    chosen = [index.get((r.start, r.stop)) for r in answer.regions]
     return None if None in chosen else chosen
 
 
-@register("ilp")
-def solve_ilp(
-    graph: CostGraph,
-    budget_bytes: float,
-    backend: str = "highs",
-    time_limit_s: float = 10.0,
-    rel_gap: float = 0.01,
-    max_span: int | None = ILP_SPAN,
-    coarse_cuts: int | None = None,
-    coarse_span: int = DEFAULT_COARSE_SPAN,
-    warm: bool = True,
-    **opts,
-) -> Schedule:
+@dataclass(frozen=True)
+class ILPOptions(SolverOptions):
+    """``backend``: "highs" (scipy.optimize.milp) or "cbc" (pulp); the search stops at
+    ``rel_gap`` or when ``time_limit_s`` (the whole call; dp's warm start may take half of
+    it) or ``milp_time_limit_s`` (the MILP search alone, None: what is left) runs out.
+    Candidates: every interval on small graphs, else spans of at most ``max_span`` boundaries
+    and those between coarse cuts (``coarse_cuts``, ``coarse_span`` as dp's). ``warm``: start
+    from dp's schedule."""
+
+    time_limit_s: float = 10.0
+    milp_time_limit_s: float | None = None
+    backend: str = "highs"
+    rel_gap: float = 0.01
+    max_span: int | None = ILP_SPAN
+    coarse_cuts: int | None = None
+    coarse_span: int = DEFAULT_COARSE_SPAN
+    warm: bool = True
+
+
+@register("ilp", options=ILPOptions)
+def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Schedule:
     """Least recompute time within budget over disjoint regions, by MILP.
 
     ``backend``: "highs" (scipy.optimize.milp) or "cbc" (pulp). Stops at ``rel_gap`` or when
@@ -360,31 +353,46 @@ def solve_ilp(
     is between the best schedule found and the MILP's proven lower bound.
     """
     start = time.perf_counter()
+    backend, time_limit_s, rel_gap = options.backend, options.time_limit_s, options.rel_gap
+    if backend not in ("highs", "cbc"):
+        raise ValueError(f"ilp backend {backend!r}: use 'highs' or 'cbc'")
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:
         return finish(graph, budget_bytes, [], "ilp", "the eager step fits", gap=0.0)
-    regions = candidates(graph, max_span, coarse_cuts, coarse_span)
+    regions = candidates(graph, options.max_span, options.coarse_cuts, options.coarse_span)
     mdl, x = build(graph, budget_bytes, regions)
-    dp_opts = dict(max_span=max_span, coarse_cuts=coarse_cuts, coarse_span=coarse_span)
-    incumbent = warm_start(graph, budget_bytes, regions, **dp_opts) if warm else None
+    # dp over the same non-nested space: the warm start, and the answer when the MILP has none.
+    dp = DPOptions(
+        time_limit_s=time_limit_s / 2,
+        max_span=options.max_span,
+        coarse_cuts=options.coarse_cuts,
+        coarse_span=options.coarse_span,
+        max_depth=1,
+        selective=False,
+    )
+    answer = dp_answer(graph, budget_bytes, dp) if options.warm else None
+    incumbent = warm_start(answer, regions)
     upper = None
     if incumbent is not None:
         upper = sum(mdl.cost[k] for k in incumbent)
         mdl.row({k: c for k, c in enumerate(mdl.cost[: len(x)]) if c}, hi=upper * (1 + 1e-9))
     solver = {"highs": solve_highs, "cbc": solve_cbc}[backend]
     left_s = max(0.01, time_limit_s - (time.perf_counter() - start))
-    res = solver(mdl, left_s, rel_gap)
+    res = solver(mdl, min(left_s, options.milp_time_limit_s or left_s), rel_gap)
     if res is not None and res.chosen is None and incumbent is None:
         res = None  # a bound alone answers nothing
-    limit = f"the time limit ({time_limit_s:g} s)"
+    limit = f"the {time_limit_text(options)}"
     if res is None and incumbent is None:
-        kw = dict(dp_opts, max_depth=1)
-        least = least_peak(graph, **kw)
-        if least > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, least, "(solver 'ilp', non-nested regions)")
-        fallback = solve_dp(graph, budget_bytes, **kw)
-        note = f"{backend}: no solution within {limit}; dp (depth 1) answered"
-        return finish(graph, budget_bytes, fallback.regions, "dp", note)
+        if answer is None:
+            left_s = max(0.01, time_limit_s - (time.perf_counter() - start))
+            answer = dp_answer(graph, budget_bytes, replace(dp, time_limit_s=left_s))
+        if isinstance(answer, InfeasibleBudgetError):
+            raise InfeasibleBudgetError(
+                budget_bytes, answer.min_bytes, "(solver 'ilp', non-nested regions)"
+            )
+        who = "dp (depth 1)" if answer.solver == "dp" else answer.solver
+        note = f"{backend}: no solution within {limit}; {who} answered ({answer.note})"
+        return Schedule(answer.regions, answer.solver, None, note)
     note = f"{backend}, {len(regions)} candidates"
     chosen = incumbent
     if res is not None:

@@ -14,13 +14,15 @@ schedule within budget wins: few snapshots mean deep nesting, less memory, more 
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from math import comb
 
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.registry import register
+from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.simulate import simulate
 
 
@@ -80,17 +82,27 @@ def units(graph: CostGraph) -> list[int]:
     return even_cuts(graph, 16)
 
 
-@register("revolve")
-def solve_revolve(
-    graph: CostGraph, budget_bytes: float, snapshots: int | None = None, **opts
-) -> Schedule:
-    """The cheapest binomial schedule within budget over the snapshot counts (or the given)."""
+@dataclass(frozen=True)
+class RevolveOptions(SolverOptions):
+    """``snapshots``: the one snapshot count to use (None: try every count)."""
+
+    snapshots: int | None = None
+
+
+@register("revolve", options=RevolveOptions)
+def solve_revolve(graph: CostGraph, budget_bytes: float, options: RevolveOptions) -> Schedule:
+    """The cheapest binomial schedule within budget over the snapshot counts (or the given).
+    Anytime: past the time limit it answers with the best count tried so far."""
+    snapshots, deadline = options.snapshots, options.deadline()
     bounds = units(graph)
     n_units = len(bounds) - 1
     counts = [snapshots] if snapshots else range(1, max(1, n_units) + 1)
-    best, least = None, None
+    best, least, cut_short = None, None, False
     for s in counts:
-        t = least_sweeps(s, n_units)
+        if least is not None and time.perf_counter() > deadline:
+            cut_short = True
+            break
+        t, s_max = least_sweeps(s, n_units), s
         regions = tuple(nested(bounds, s, t))
         if not regions:
             continue
@@ -104,4 +116,6 @@ def solve_revolve(
         raise InfeasibleBudgetError(budget_bytes, least or 0, "(solver 'revolve')")
     s, t = best[3], best[4]
     note = f"binomial, {s} snapshots, {t} sweeps, beta = {beta(s, t)} >= {n_units} units"
+    if cut_short:
+        note += f"; {time_limit_text(options)}: snapshot counts up to {s_max} tried"
     return finish(graph, budget_bytes, best[2], "revolve", note)

@@ -8,11 +8,13 @@ normalisation, pointwise ops -- is recomputed in backward. Runs as an op-level p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Node, Region, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.registry import register
+from planner.solvers.registry import SolverOptions, register
 from planner.solvers.simulate import simulate
 
 # Ops whose outputs are worth keeping: weight matmuls and convolutions (op names are
@@ -57,11 +59,17 @@ def worth_keeping(graph: CostGraph, i: int, produced: list[int]) -> bool:
     return False
 
 
-@register("selective")
-def solve_selective(
-    graph: CostGraph, budget_bytes: float, n_segments: int | None = None, **opts
-) -> Schedule:
+@dataclass(frozen=True)
+class SelectiveOptions(SolverOptions):
+    """``n_segments``: that many regions at cheap cuts instead of one per block."""
+
+    n_segments: int | None = None
+
+
+@register("selective", options=SelectiveOptions)
+def solve_selective(graph: CostGraph, budget_bytes: float, options: SelectiveOptions) -> Schedule:
     """One selective region per block (or per cheap-cut segment when there are no blocks)."""
+    n_segments = options.n_segments
     spans = block_spans(graph)
     if spans and n_segments is None:
         bounds = [spans[0][0]] + [stop for _, stop in spans]

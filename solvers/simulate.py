@@ -1,42 +1,54 @@
 """The one memory model: replay a Schedule over a CostGraph, forward then backward.
 
-It follows what PyTorch does at run time with non-reentrant ``torch.utils.checkpoint``:
+It follows what PyTorch does at run time with non-reentrant ``torch.utils.checkpoint``. Its
+rules are written once, here, numbered; the code (and every solver that prices regions with the
+functions below) says "See Rule N".
 
-- forward: each storage is allocated by its producer and freed once no forward user is left and
-  nothing holds it for backward. Outside any region, autograd holds a storage until the backward
-  of the earliest node that saved it. Inside a region, saves are dropped, but the region's inputs
-  stay alive until the region's backward ends (the checkpoint keeps its arguments). The
-  arguments of a region nested in a recomputation are tensors the parent recovered: they live
-  until the nested region's own recomputation ends, longer only if a node in it saves them.
-- backward, in reverse node order: on reaching a region's last node the region's forward runs
-  again (nested regions inside it stay checkpointed; the region outputs it recomputes live until
-  that recomputation ends) and its backward follows; each node's
-  backward allocates the gradients of the storages it read, its parameter gradients (kept to
-  the end of the step) and a temporary working set, then frees the gradient of its own output
-  and what it alone still held.
-- selective regions keep the outputs of their ``saved_nodes`` and recompute only the rest;
-  a kept output lives until the recomputation reaches its node, or (when backward reads it, or
-  recomputation stops before it) until the region's backward ends;
-  offload regions keep what they save in host memory and bring each storage back when the
-  backward that needs it runs.
-- storages ``held_to_end`` (autocast's weight copies) live from their first forward to the end
-  of the step; recomputation reuses them.
-- a recomputation stops early, as non-reentrant checkpoint does once every tensor the region
-  saved is back: after the region's last node that saves for backward, before what that node
-  allocates after its last save (``Tensor.after_last_save``), or, when the last save is a
-  nested region's arguments, just before that nested region. Graphs without
-  ``Node.saves_for_backward`` (hand-built) are recomputed to the region's end.
-- a region whose nodes write model buffers (``Node.state_bytes``: BatchNorm statistics) keeps a
-  copy of their pre-step values from its forward to the end of its backward, and makes one more
-  for each recomputation (``passes/rewrite.py``).
-- every region boundary must be a cut that in-place writes allow (``solvers/cuts.py``).
+Rule 1. Forward lifetimes. Each storage is allocated by its producer and freed once no forward
+        user is left and nothing holds it for backward. Outside any region, autograd holds a
+        storage until the backward of the earliest node that saved it.
+Rule 2. A region drops what its nodes save, but keeps its arguments (the storages it reads from
+        outside) alive until its backward ends (the checkpoint saves its inputs).
+Rule 3. Nested arguments. The arguments of a region nested in a recomputation are tensors its
+        parent recovered: they live until the nested region's own recomputation ends, longer
+        only if a node in it saves them (checkpoint.py's Rule 2: inner inputs are saved to the
+        parent, which hands them over when the inner checkpoint recomputes).
+Rule 4. Backward runs in reverse node order. On reaching a region's last node, its forward runs
+        again (nested regions inside it stay checkpointed; the region outputs it recomputes live
+        until that recomputation ends) and its backward follows. Each node's backward allocates
+        the gradients of the storages it read, its parameter gradients (kept to the end of the
+        step) and a temporary working set, then frees the gradient of its own output and what
+        it alone still held (:func:`gradient_bytes`).
+Rule 5. Early stop (checkpoint.py's Rule 5). A recomputation stops once it has packed as many
+        saved tensors as the region's first forward did: every pack counts -- activations,
+        parameters, inputs -- so it runs through the region's last node that saves anything for
+        backward, and stops before what that node allocates after its last save
+        (``Tensor.after_last_save``); when the last save is a nested region's arguments, just
+        before that nested region. :func:`stop_node` says where. Graphs without
+        ``Node.saves_for_backward`` (hand-built ones) are recomputed to the region's end.
+Rule 6. Selective regions keep every output of their ``saved_nodes`` (SAC caches the whole
+        output of a kept op). The recomputation does not run a kept node: it takes the cached
+        output back as it reaches it, and the output then lives as a recomputed one would (to its
+        last reader in the recomputation, or for backward if a node in the region saves it). A
+        cache entry the recomputation never reaches (Rule 5 stops it first) lives until the
+        region's backward ends.
+Rule 7. Offload regions keep what they save in host memory and bring each storage back when the
+        backward that needs it runs.
+Rule 8. Storages ``held_to_end`` (autocast's weight copies) live from their first forward to the
+        end of the step; recomputation reuses them.
+Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNorm statistics)
+        keeps a copy of their pre-step values from its forward to the end of its backward, and
+        makes one more for each recomputation (``passes/rewrite.py``).
+Rule 10. Every region boundary is a cut that in-place writes allow (``solvers/cuts.py``).
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import forbidden_cuts
@@ -82,13 +94,15 @@ def validate(graph: CostGraph, schedule: Schedule) -> None:
                     f"region {r} has a boundary at cut {c}, before node {graph.nodes[c].name}: "
                     f"a storage produced before it is written in place at or after it"
                 )
-    for a_i, a in enumerate(regions):
-        for b in regions[a_i + 1 :]:
-            overlap = a.start < b.stop and b.start < a.stop
-            if overlap and not (a.covers(b) or b.covers(a)):
-                raise InvalidScheduleError(f"regions {a} and {b} overlap without nesting")
-            if a == b:
-                raise InvalidScheduleError(f"region {a} appears twice")
+    enclosing: list[Region] = []  # sorted by (start, -stop): the chain of regions around r
+    for r in regions:
+        while enclosing and enclosing[-1].stop <= r.start:
+            enclosing.pop()
+        if enclosing and enclosing[-1] == r:
+            raise InvalidScheduleError(f"region {r} appears twice")
+        if enclosing and r.stop > enclosing[-1].stop:
+            raise InvalidScheduleError(f"regions {enclosing[-1]} and {r} overlap without nesting")
+        enclosing.append(r)
 
 
 def gradient_bytes(graph: CostGraph) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -134,11 +148,26 @@ class _Replay:
         self.releases: dict[tuple, list[tuple]] = {}  # (ctx, event) -> keys to release
         self.grad_alloc, self.grad_free = gradient_bytes(graph)
         self.parent: dict[Region, Region] = {}
-        self.needed: dict[Region, int] = {}
         self.stop_node: dict[Region, tuple[int, bool]] = {}
         self.starts_at: list[list[Region]] = [[] for _ in graph.nodes]
         for r in self.regions:
             self.starts_at[r.start].append(r)
+        # Each region's children (regions one level deeper inside it), and for each node of a
+        # context the child it lies in: looked up at every node, so built once.
+        self.kids: dict[Region, list[Region]] = {ROOT: []}
+        enclosing: list[Region] = []
+        for r in self.regions:
+            while enclosing and enclosing[-1].stop <= r.start:
+                enclosing.pop()
+            self.kids[r] = []
+            if r.depth == 0:
+                self.kids[ROOT].append(r)
+            else:
+                up = next((e for e in reversed(enclosing) if e.depth == r.depth - 1), None)
+                if up is not None:
+                    self.kids[up].append(r)
+            enclosing.append(r)
+        self.owners: dict[int, dict[int, Region]] = {}  # id(children list) -> node -> child
         state_prefix = [0]
         for nd in graph.nodes:
             state_prefix.append(state_prefix[-1] + nd.state_bytes)
@@ -185,30 +214,25 @@ class _Replay:
             self.peak_bytes, self.peak_event = now, event
 
     def children(self, ctx: Region) -> list[Region]:
-        inner = [r for r in self.regions if r.depth == ctx.depth + 1]
-        if ctx is ROOT:
-            return inner
-        return [r for r in inner if ctx.covers(r)]
+        return self.kids[ctx]
 
-    @staticmethod
-    def _owner(i: int, children: list[Region]) -> Region | None:
-        for r in children:
-            if i in r:
-                return r
-        return None
+    def _owner(self, i: int, children: list[Region]) -> Region | None:
+        """The region among ``children`` (one context's, disjoint) that holds node ``i``."""
+        key = id(children)
+        table = self.owners.get(key)
+        if table is None:
+            table = self.owners[key] = {j: r for r in children for j in range(r.start, r.stop)}
+        return table.get(i)
 
     # -- the two passes ------------------------------------------------------------------------
     def forward(self, ctx: Region, label: str) -> None:
-        """Run nodes of ``ctx`` forward, holding what ctx's own backward will need.
-
-        A recomputation stops early: non-reentrant checkpoint raises once the last tensor the
-        region saved is back (``_stop_node`` says where).
-        """
+        """Run nodes of ``ctx`` forward, holding what ctx's own backward will need (Rule 1);
+        a recomputation stops early (Rule 5)."""
         start, stop = (0, len(self.g.nodes)) if ctx is ROOT else (ctx.start, ctx.stop)
         children = self.children(ctx)
         last, partial = (stop - 1, False) if ctx is ROOT else self._stop_node(ctx, children)
         if ctx is not ROOT and ctx.kind != "offload" and self.state_bytes[ctx]:
-            # rewrite's fresh copies of the pre-step buffer values, for this recomputation
+            # rewrite's fresh copies of the pre-step buffer values, for this recomputation (Rule 9)
             key = ("state_run", ctx)
             self._hold(key, self.state_bytes[ctx], 1)
             self._later(ctx, ("recompute_end",), key)
@@ -216,10 +240,14 @@ class _Replay:
             here = self._owner(i, children)
             self._hold_state_copies(ctx, children, i)
             if ctx is not ROOT and i in ctx.saved_nodes:
-                # selective: the cached output is still held by the parent; the node does not
-                # run again, so its inputs lose this reader at once.
+                # See Rule 6: the node does not run again, so its inputs lose this reader at
+                # once; a cached output handed back lives to its last reader here.
                 for t_i in self.used[i]:
                     self._release((ctx, t_i))
+                for _, t_i in self.releases.get((self.parent[ctx], ("cached", ctx, i)), ()):
+                    t = self.g.tensors[t_i]
+                    readers = sum(1 for u in set(t.users) if i < u <= last)
+                    self._hold((ctx, t_i), t.size_bytes, readers)
                 self._release_at(self.parent[ctx], ("cached", ctx, i))
                 continue
             for t_i in self.produced[i]:
@@ -236,25 +264,11 @@ class _Replay:
             self._release_at(ctx, ("recompute_end",))
 
     def _stop_node(self, region: Region, children: list[Region]) -> tuple[int, bool]:
-        """Where ``region``'s recomputation stops: (its last node, whether that node stops
-        part-way, after its last save). The last save is either a node of the region's own
-        whose forward saves for backward, or a nested checkpoint's inputs, which its parent
-        saves on its behalf as the nested region begins (so the recomputation stops before
-        that nested region runs; nested regions before it run whole). (-1, False) when nothing
-        saves. Without ``Node.saves_for_backward`` on the graph: the region's last node."""
+        """See Rule 5: :func:`stop_node` for ``region`` in this replay."""
         if not self.early_stop:
             return region.stop - 1, False
         if region not in self.stop_node:
-            last: tuple[int, bool] = (-1, False)
-            for i in range(region.start, region.stop):
-                inner = self._owner(i, children)
-                if inner is not None and inner.kind != "offload":
-                    if i == inner.start:
-                        last = (i - 1, False)  # stops as the nested region saves its inputs
-                elif self.g.nodes[i].saves_for_backward:
-                    # an offload region (not a checkpoint) reached is replayed whole
-                    last = (i, True) if inner is None else (inner.stop - 1, False)
-            self.stop_node[region] = last
+            self.stop_node[region] = stop_node(self.g, region, children)
         return self.stop_node[region]
 
     def _hold_state_copies(self, ctx: Region, children: list[Region], i: int) -> None:
@@ -270,19 +284,6 @@ class _Replay:
             key = ("state", ctx, r)
             self._hold(key, self.state_bytes[r], 1)
             self._later(ctx, ("region_end", top), key)
-
-    def _last_needed(self, region: Region) -> int:
-        """The last recomputed node of ``region`` whose output its backward reads (-1: none)."""
-        if region not in self.needed:
-            last = -1
-            for i in range(region.start, region.stop):
-                if i in region.saved_nodes:
-                    continue
-                for t_i in self.produced[i]:
-                    if any(region.start <= s < region.stop for s in self.g.tensors[t_i].saved_by):
-                        last = i
-            self.needed[region] = last
-        return self.needed[region]
 
     def _hold_tensor(self, ctx, children, here, t_i, start, stop, run_stop) -> None:
         """Allocate storage ``t_i`` with one hold per reason it must stay alive.
@@ -337,11 +338,10 @@ class _Replay:
                 self._hold(key, t.size_bytes, 1)
                 self._later(region, ("recompute_end",), key)
         if cached_here and here not in kept_for:
-            # Selective checkpointing caches every output of a saved op, needed or not. The
-            # recomputation hands it back (and drops it) when it reaches the op; but it stops
-            # early after the last tensor backward needs, and a cache entry it never reaches
-            # lives as long as the region's autograd graph.
-            if t.producer < self._last_needed(here):
+            # See Rule 6: handed back when the recomputation reaches the op, unless Rule 5 stops
+            # it first.
+            last, partial = self._stop_node(here, self.children(here))
+            if t.producer < last or (t.producer == last and not partial):
                 self._hold(key, t.size_bytes, 1)
                 self._later(ctx, ("cached", here, t.producer), key)
             else:
@@ -372,6 +372,77 @@ class _Replay:
             if region is not None and i == region.start:
                 self._release_at(ctx, ("region_end", region))  # an offload region's inputs
             i -= 1
+
+
+def stop_node(graph: CostGraph, region: Region, children: list[Region]) -> tuple[int, bool]:
+    """See Rule 5: where ``region``'s recomputation stops, given the regions nested one level
+    inside it (``children``): (its last node, whether that node stops part-way, after its last
+    save). The last save is either a node of the region's own whose forward saves anything for
+    backward, or a nested checkpoint's arguments, which its parent saves as the nested region
+    begins (so the recomputation stops before that nested region runs; nested regions before it
+    run whole). (-1, False) when nothing saves."""
+    owner = {i: r for r in children for i in range(r.start, r.stop)}
+    last: tuple[int, bool] = (-1, False)
+    for i in range(region.start, region.stop):
+        inner = owner.get(i)
+        if inner is not None and inner.kind != "offload":
+            if i == inner.start:
+                last = (i - 1, False)  # stops as the nested region saves its inputs
+        elif graph.nodes[i].saves_for_backward:
+            # an offload region (not a checkpoint) reached is replayed whole
+            last = (i, True) if inner is None else (inner.stop - 1, False)
+    return last
+
+
+class RegionPrices(Protocol):
+    """Per-storage and per-node numbers (bytes, or a solver's rounded units) that
+    :func:`region_peak` reads; ``planner.solvers.dp.prices`` builds them."""
+
+    size: Sequence[int]
+    producer: Sequence[int]
+    produced: Sequence[Sequence[int]]  # storages each node allocates (held_to_end ones aside)
+    needers: Sequence[Sequence[int]]  # sorted forward readers and savers after the producer
+    savers: Sequence[Sequence[int]]
+    fwd_temp: Sequence[int]
+    bwd_temp: Sequence[int]
+    grad_at_bwd: Sequence[int]  # gradient bytes at node i's backward (Rule 4)
+    grad_after: Sequence[int]  # the same once node i's backward is done (index n: none done)
+
+
+def region_peak(p: RegionPrices, start: int, stop: int, keep: Collection[int] = ()) -> int:
+    """Peak of region [start, stop)'s recomputation and backward, with nothing nested in it and
+    recomputed to its end, above what the rest of the step keeps meanwhile (gradient buffers
+    included): Rules 1, 2 and 4 in closed form, what a DP or an ILP prices a region at. Nodes
+    in ``keep`` (a selective region's, Rule 6) are not recomputed and read nothing; their
+    cached outputs are not counted here (the first forward holds them)."""
+    inside = [t for i in range(start, stop) if i not in keep for t in p.produced[i]]
+    saved_in = {t: [s for s in p.savers[t] if start <= s < stop] for t in inside}
+    # the last recomputed reader; kept nodes do not run again
+    last_in = {
+        t: max([p.producer[t], *[u for u in p.needers[t] if u < stop and u not in keep]])
+        for t in inside
+    }
+    fwd_peak, live = 0, 0
+    ends: dict[int, int] = {}
+    for i in range(start, stop):
+        if i in keep:
+            continue
+        for t in p.produced[i]:
+            live += p.size[t]
+            if not saved_in[t]:  # else saved inside: it stays for the region's backward
+                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
+        fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
+        live -= ends.pop(i, 0)
+    # At node i's backward the region holds what something at or before i saves (Rule 1).
+    from_node = [0] * (stop - start)
+    for t in inside:
+        if saved_in[t]:
+            from_node[min(saved_in[t]) - start] += p.size[t]
+    bwd_peak, held = 0, 0
+    for i in range(start, stop):
+        held += from_node[i - start]
+        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
+    return max(bwd_peak, p.grad_after[stop] + fwd_peak)
 
 
 def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:

@@ -6,7 +6,7 @@ Pure Python like the rest of ``solvers/``, so solver tests run without torch.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.solvers.costgraph import CostGraph, Node, Tensor
 
@@ -380,3 +380,20 @@ def random_inplace_chain(rng: random.Random, n: int, max_bytes: int = 64) -> Cos
         )
         current = f"n{i}"
     return g.build(outputs=(current,), flops_per_s=1.0, bytes_per_s=1e9)
+
+
+def with_saves(rng: random.Random, graph: CostGraph) -> CostGraph:
+    """``graph`` as the estimator describes it: every node says whether its forward saves
+    anything for backward (those saving a storage do; about a third of the others save only a
+    weight), and about half the outputs of saving nodes are allocated after their last save (a
+    linear's output). Recomputations then stop early (simulate's Rule 5)."""
+    saving = {s for t in graph.tensors for s in t.saved_by}
+    nodes = tuple(
+        replace(nd, saves_for_backward=i in saving or rng.random() < 0.35)
+        for i, nd in enumerate(graph.nodes)
+    )
+    tensors = tuple(
+        replace(t, after_last_save=nodes[t.producer].saves_for_backward and rng.random() < 0.5)
+        for t in graph.tensors
+    )
+    return replace(graph, nodes=nodes, tensors=tensors)

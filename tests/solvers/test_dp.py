@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Schedule
-from planner.solvers.dp import least_peak, solve_all, solve_dp
+from planner.solvers.dp import DPOptions, least_peak, solve_all, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import score_all
@@ -78,8 +78,8 @@ def test_dp_nests_when_nesting_is_what_fits():
         prev = f"n{i}"
     graph = g.build(outputs=(prev,), flops_per_s=1.0)
     eager = simulate(graph, Schedule()).peak_bytes
-    flat = solve_all(graph, eager, max_span=None, max_depth=1)
-    nested = solve_all(graph, eager, max_span=None)
+    flat = solve_all(graph, eager, DPOptions(max_span=None, max_depth=1))
+    nested = solve_all(graph, eager, DPOptions(max_span=None))
     assert nested.least_bytes() < flat.least_bytes()
     s = nested.schedule(nested.least_bytes())
     assert max(r.depth for r in s.regions) >= 1
@@ -88,7 +88,7 @@ def test_dp_nests_when_nesting_is_what_fits():
 
 def test_dp_reports_the_least_feasible_budget():
     graph = gpt_like_graph(n_layer=2, d_model=64, seq_len=64, batch=2, vocab=128)
-    least = least_peak(graph, coarse_cuts=4)
+    least = least_peak(graph, DPOptions(coarse_cuts=4))
     with pytest.raises(InfeasibleBudgetError) as e:
         solve_dp(graph, least * 0.9, coarse_cuts=4)
     assert e.value.min_bytes == least

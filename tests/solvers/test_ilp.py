@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Schedule
-from planner.solvers.dp import least_peak, solve_dp
+from planner.solvers.dp import DPOptions, least_peak, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.simulate import simulate
@@ -60,7 +60,7 @@ def test_ilp_equals_dp_without_nesting_on_dags_up_to_12_nodes(seed, n):
 def test_both_backends_agree_and_report_gap():
     rng = random.Random(7)
     graph = random_dag(rng, 9)
-    least = least_peak(graph, max_span=None, max_depth=1)
+    least = least_peak(graph, DPOptions(max_span=None, max_depth=1))
     budget = (least + simulate(graph, Schedule()).peak_bytes) // 2
     highs = solve_ilp(graph, budget, backend="highs")
     cbc = solve_ilp(graph, budget, backend="cbc")
@@ -85,7 +85,7 @@ def test_ilp_on_a_gpt_like_graph_fits_and_beats_every_block():
 def test_ilp_out_of_time_answers_with_dp_and_says_so():
     graph = gpt_like_graph(n_layer=4, d_model=64, seq_len=128, batch=2, vocab=128)
     budget = simulate(graph, Schedule()).peak_bytes / 3
-    s = solve_ilp(graph, budget, time_limit_s=0.01)
+    s = solve_ilp(graph, budget, milp_time_limit_s=0.01)
     assert simulate(graph, s).peak_bytes <= budget
     # dp's non-nested schedule is the incumbent: kept, with the MILP's bound when it has one
     assert "dp (depth 1) answered" in s.note or "warm start not beaten" in s.note, s.note

@@ -157,11 +157,19 @@ def test_selective_region_keeps_saved_nodes():
     assert (sim.peak_bytes, sim.recompute_flops) == (60, FLOPS[1])
 
 
+def saving_chain() -> CostGraph:
+    """``chain()`` whose nodes say they save (n1 saves t0, n2 saves t1): Rule 5 applies."""
+    graph = chain()
+    nodes = tuple(replace(nd, saves_for_backward=i > 0) for i, nd in enumerate(graph.nodes))
+    return replace(graph, nodes=nodes)
+
+
 def test_selective_saved_node_releases_what_it_reads():
-    sim = run([Region(0, 2, kind="selective", saved_nodes=frozenset({1}))])
-    # n1's output t1 stays cached until the region's backward ends (recomputation stops early
-    # and never pops it), though n2's backward was its last need. n1 does not rerun, so its
-    # read of t0 ends at once; t0 is rebuilt for n1's backward and dies after it.
+    sim = run([Region(0, 2, kind="selective", saved_nodes=frozenset({1}))], saving_chain())
+    # n1's output t1 stays cached until the region's backward ends (recomputation stops at
+    # n1's save of t0, before n1's kernel, and never pops it), though n2's backward was its
+    # last need. n1 does not rerun, so its read of t0 ends at once; t0 is rebuilt for n1's
+    # backward and dies after it.
     assert sim.timeline == (
         ("fwd:n0", 10),
         ("fwd:n1", 30),
@@ -172,6 +180,14 @@ def test_selective_saved_node_releases_what_it_reads():
         ("bwd:n0", 30),
     )
     assert sim.recompute_flops == FLOPS[0]
+
+
+def test_selective_cache_is_handed_back_when_the_recomputation_reaches_it():
+    """Rule 5 and Rule 6 together. Without saves on the graph the recomputation runs to the
+    region's end, so it reaches n1 and takes t1 back from the cache: t1 is gone by n1's
+    backward (40 B there, where a cache kept to the region's end would make it 60 B)."""
+    sim = run([Region(0, 2, kind="selective", saved_nodes=frozenset({1}))])
+    assert dict(sim.timeline)["bwd:n1"] == 40
 
 
 def test_offload_region_moves_saves_to_host():
@@ -228,3 +244,28 @@ def test_temporaries_add_to_their_event_only():
 def test_invalid_schedules_rejected(regions):
     with pytest.raises(InvalidScheduleError):
         run(regions)
+
+
+def test_recomputation_runs_to_a_node_that_saves_only_a_weight():
+    """Issue 13's four-node graph. Selective region [a, b, c, d) keeps mm ``b``'s 1000 B output;
+    ``d`` saves only its weight. torch.utils.checkpoint counts every pack, weights included
+    (``recomp_counter == len(weak_holders)``, its Rule 5), so the recomputation runs to ``d``,
+    reaches ``b`` and takes its output back from the cache: it lives while ``c`` reads it and
+    is gone by the backward of ``c``. An earlier stop rule (at the last node whose *output* the
+    backward reads) kept it to the region's end: 2040 B instead of 1040 B."""
+    from tests.solvers.synthetic import GraphBuilder
+
+    g = GraphBuilder()
+    g.add("a", out_bytes=20, fwd_flops=1)
+    g.add("b", reads=("a",), saves=("a",), out_bytes=1000, op="aten.mm.default", fwd_flops=1)
+    g.add("c", reads=("b",), out_bytes=20, fwd_flops=1)
+    g.add("d", reads=("c",), out_bytes=20, fwd_flops=1)  # saves only its weight
+    graph = g.build(outputs=("d",))
+    nodes = tuple(replace(nd, saves_for_backward=nd.name in "bd") for nd in graph.nodes)
+    graph = replace(graph, nodes=nodes)
+    sim = run([Region(0, 4, kind="selective", saved_nodes=frozenset({1}))], graph)
+    events = dict(sim.timeline)
+    assert events["recompute:c"] == 1040  # b's output handed back, read by c
+    # gone by then: bwd:c holds b and c gradients (1000 + 20 B) and the recomputed a (20 B)
+    assert events["bwd:c"] == 1040 and events["bwd:b"] == 1040
+    assert sim.peak_bytes == 1040

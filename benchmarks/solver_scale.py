@@ -1,0 +1,104 @@
+"""How large a graph the solvers plan within their time limits: wall times, printed.
+
+- a synthetic 10,000-node random chain (``tests/solvers/synthetic.py``), dp at 60% of eager;
+- the Llama-7B shape (``benchmarks/plan_7b.py``, meta device), dp at 24 GB;
+- Hugging Face Mamba from a tiny config (sequence 128: its slow scan unrolls into thousands of
+  nodes), ``planner.plan`` with ``auto`` at 70% of the eager peak, then ``planner.measure`` of
+  ``p.module`` against the budget.
+
+Targets: dp <= 15 s on the chain and on the 7B shape; Mamba plans with auto in <= 30 s and
+measures within budget. Times are wall clock on whatever else the machine is doing.
+
+Run: ``python -m benchmarks.solver_scale`` (``--only chain,llama,mamba`` to pick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+from planner.solvers.costgraph import Schedule
+from planner.solvers.registry import get_solver
+from planner.solvers.simulate import simulate
+from tests.solvers.synthetic import random_chain
+
+
+def _dp_line(name: str, graph, budget_bytes: float) -> str:
+    start = time.perf_counter()
+    schedule = get_solver("dp")(graph, budget_bytes)
+    solve_s = time.perf_counter() - start
+    sim = simulate(graph, schedule)
+    eager = simulate(graph, Schedule()).peak_bytes
+    return (
+        f"{name}: {len(graph.nodes)} nodes, dp in {solve_s:.1f} s ({schedule.solver}), "
+        f"predicted peak {sim.peak_bytes / eager:.1%} of eager (budget "
+        f"{budget_bytes / eager:.0%}), recompute {sim.recompute_time_s / _step_time(graph):.1%}"
+        f" of the step; {len(schedule.regions)} regions; note: {schedule.note}"
+    )
+
+
+def _step_time(graph) -> float:
+    n = len(graph.nodes)
+    return sum(graph.node_time_s(i) + graph.node_time_s(i, backward=True) for i in range(n))
+
+
+def chain() -> str:
+    graph = random_chain(random.Random(0), 10_000)
+    eager = simulate(graph, Schedule()).peak_bytes
+    return _dp_line("random chain", graph, 0.6 * eager)
+
+
+def llama() -> str:
+    from benchmarks.plan_7b import LlamaConfig, llama_example
+    from planner.passes.capture import capture
+    from planner.passes.estimate import estimate
+
+    model, example = llama_example(LlamaConfig())
+    start = time.perf_counter()
+    captured = capture(model, example)
+    graph = estimate(captured.module, captured.args, captured.kwargs)
+    prep_s = time.perf_counter() - start
+    return f"(capture + estimate {prep_s:.1f} s) " + _dp_line("Llama-7B shape", graph, 24e9)
+
+
+def mamba(seq_len: int = 128) -> str:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import MambaConfig, MambaForCausalLM
+
+    import planner
+
+    torch.manual_seed(0)
+    config = MambaConfig(
+        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, use_mambapy=False
+    )
+    model = MambaForCausalLM(config)
+    ids = torch.randint(0, 64, (1, seq_len))
+    example = {"input_ids": ids, "labels": ids}
+    eager = planner.measure(model, example).peak_bytes
+    budget_gb = 0.7 * eager / 1e9
+    start = time.perf_counter()
+    p = planner.plan(model, example, mem_budget_gb=budget_gb, solver="auto")
+    plan_s = time.perf_counter() - start
+    measured = planner.measure(p.module, example).peak_bytes
+    return (
+        f"Mamba (hidden 32, 2 layers, seq {seq_len}): {len(p.graph.nodes)} nodes, plan(auto) "
+        f"in {plan_s:.1f} s ({p.solver}), budget {budget_gb * 1e9 / 2**20:.2f} MiB (70% of the "
+        f"measured eager {eager / 2**20:.2f} MiB), predicted {p.predicted_peak_bytes / 2**20:.2f}"
+        f" MiB, measured {measured / 2**20:.2f} MiB: "
+        f"{'within' if measured <= budget_gb * 1e9 else 'OVER'} budget; note: {p.schedule.note}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="chain,llama,mamba")
+    args = parser.parse_args()
+    for name in args.only.split(","):
+        print({"chain": chain, "llama": llama, "mamba": mamba}[name](), flush=True)
+
+
+if __name__ == "__main__":
+    main()
