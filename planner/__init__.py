@@ -24,6 +24,7 @@ from planner.solvers.errors import (
 
 if TYPE_CHECKING:
     from planner.comparison import Comparison, compare
+    from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import Region
     from planner.plan_file import apply_plan
@@ -39,6 +40,8 @@ _LAZY = {
     "Plan": "planner.planning",
     "plan": "planner.planning",
     "apply_plan": "planner.plan_file",
+    "remove": "planner.inplace",
+    "InplacePlan": "planner.inplace",
 }
 
 
@@ -55,6 +58,7 @@ __all__ = [
     "CaptureError",
     "Comparison",
     "InfeasibleBudgetError",
+    "InplacePlan",
     "InvalidBudgetError",
     "Measurement",
     "Plan",
@@ -66,4 +70,5 @@ __all__ = [
     "compare",
     "measure",
     "plan",
+    "remove",
 ]

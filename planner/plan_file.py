@@ -79,8 +79,8 @@ def save_plan(plan: Plan, path: str | Path) -> None:
     Path(path).write_text(json.dumps(body, indent=1) + "\n")
 
 
-def load_plan_file(path: str | Path) -> dict[str, Any]:
-    """Read and check a plan file's form (not yet its fit to a model)."""
+def read_plan_body(path: str | Path) -> dict[str, Any]:
+    """Read a plan file and check its format, version and checksum (any form of plan)."""
     fix = "Save the plan again with plan.save(path), or plan anew with planner.plan(...)."
     try:
         body = json.loads(Path(path).read_text())
@@ -101,6 +101,18 @@ def load_plan_file(path: str | Path) -> dict[str, Any]:
     if checksum != _checksum(body):
         raise PlanFileError(
             f"{path} was modified after it was saved (its checksum does not match). {fix}"
+        )
+    return body
+
+
+def load_plan_file(path: str | Path) -> dict[str, Any]:
+    """Read and check a graph plan file's form (not yet its fit to a model)."""
+    fix = "Save the plan again with plan.save(path), or plan anew with planner.plan(...)."
+    body = read_plan_body(path)
+    if body.get("form", "graph") != "graph":
+        raise PlanFileError(
+            f"{path} holds an in-place plan: apply it with planner.apply_plan(model, path) "
+            f"(no example input), or plan with form='graph' for a GraphModule."
         )
     try:
         regions = [
@@ -123,13 +135,22 @@ def load_plan_file(path: str | Path) -> dict[str, Any]:
 def apply_plan(
     model: torch.nn.Module,
     path: str | Path,
-    example_input: Any,
+    example_input: Any = None,
     *,
     loss_fn: LossFn | None = None,
-) -> Plan:
-    """Re-capture ``model`` and apply the saved plan at ``path`` without solving again."""
+) -> Plan | torch.nn.Module:
+    """Apply the saved plan at ``path`` without solving again.
+
+    Without ``example_input`` (an in-place plan): wrap ``model``'s own modules and return the
+    same model (``planner/inplace.py``). With it (a graph plan): re-capture ``model`` and return
+    the Plan whose ``module`` carries it out.
+    """
     from planner.planning import build_plan
 
+    if example_input is None:
+        from planner.inplace import apply_plan_file
+
+        return apply_plan_file(model, path)
     body = load_plan_file(path)
     captured = capture(model, example_input)
     fingerprint = graph_fingerprint(captured.module)

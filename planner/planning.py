@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,9 +14,12 @@ from planner.passes.rewrite import Region, region_name, rewrite
 from planner.passes.step import LossFn
 from planner.plan_file import graph_fingerprint
 from planner.solvers.costgraph import CostGraph, Schedule
-from planner.solvers.errors import InvalidBudgetError, UnsupportedModelError
+from planner.solvers.errors import InvalidBudgetError, PlannerError, UnsupportedModelError
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import Simulation, simulate
+
+if TYPE_CHECKING:
+    from planner.inplace import InplacePlan
 
 GB = 10**9  # mem_budget_gb counts decimal gigabytes, as its name says
 
@@ -42,9 +45,17 @@ class Plan:
     schedule: Schedule = field(repr=False)
     simulation: Simulation = field(repr=False)
 
+    form = "graph"
+
     @property
     def predicted_recompute_time_s(self) -> float:
         return self.simulation.recompute_time_s
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise PlannerError(
+            "a graph plan is carried out by p.module (a GraphModule), not on the model's own "
+            "modules; plan with planner.plan(..., form='inplace') to apply a plan in place"
+        )
 
     def summary(self) -> str:
         """A table of the regions and the predicted memory and recompute cost."""
@@ -119,9 +130,14 @@ def plan(
     solver: str = "auto",
     *,
     loss_fn: LossFn | None = None,
+    form: str = "graph",
     **solver_opts: Any,
-) -> Plan:
+) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
+
+    ``form="graph"``: a Plan whose ``module`` (a GraphModule) carries it out.
+    ``form="inplace"``: an InplacePlan priced on what eager runs; ``p.apply(model)`` wraps the
+    model's own modules (planner/inplace.py).
 
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
@@ -129,6 +145,8 @@ def plan(
     least feasible budget) when no schedule fits.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
+    if form not in ("graph", "inplace"):
+        raise ValueError(f"form must be 'graph' or 'inplace', got {form!r}")
     solve = get_solver(solver)  # fail on an unknown solver before the slow part
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModelError(
@@ -136,6 +154,10 @@ def plan(
             f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
             f"(param.requires_grad_(True)) before planner.plan()"
         )
+    if form == "inplace":
+        from planner.inplace import plan_inplace
+
+        return plan_inplace(model, example_input, budget_bytes, solver, loss_fn, **solver_opts)
     captured = capture(model, example_input)
     graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
     schedule = solve(graph, budget_bytes, **solver_opts)

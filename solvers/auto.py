@@ -3,7 +3,8 @@
 ``dp`` is the workhorse (exact over nested regions on its candidate cuts); the cheap fixed
 policies (selective, every block, Chen's greedy) are also tried because each can reach a point
 ``dp``'s space lacks (selective keeps matmul outputs while recomputing their inputs). Small
-graphs also get the exact ``ilp``. Schedule.solver names the winner; Schedule.note lists the
+graphs also get the exact ``ilp``. On module-granular graphs (``CostGraph.region_spans``: plans
+applied in place) only the solvers that keep to the spans run: none, dp, ilp. Schedule.solver names the winner; Schedule.note lists the
 others' recompute time.
 """
 
@@ -20,6 +21,8 @@ ILP_MAX_NODES = 60
 @register("auto")
 def solve_auto(graph: CostGraph, budget_bytes: float, **opts) -> Schedule:
     names = ["none", "selective", "uniform", "greedy", "dp"]
+    if graph.region_spans is not None:
+        names = ["none", "dp"]  # the solvers whose regions follow module calls
     if len(graph.nodes) <= ILP_MAX_NODES:
         names.append("ilp")
     found: list[tuple[float, int, str, Schedule]] = []
