@@ -4,8 +4,8 @@
 policies (selective, every block, Chen's greedy) are also tried because each can reach a point
 ``dp``'s space lacks (selective keeps matmul outputs while recomputing their inputs). Small
 graphs also get the exact ``ilp``. On module-granular graphs (``CostGraph.region_spans``: plans
-applied in place) only the solvers that keep to the spans run: none, dp, ilp. Schedule.solver names the winner; Schedule.note lists the
-others' recompute time.
+applied in place) only the solvers that keep to the spans run: none, dp, ilp.
+Schedule.solver names the winner; Schedule.note lists the others' recompute time.
 """
 
 from __future__ import annotations
