@@ -76,7 +76,8 @@ def validate(graph: CostGraph, schedule: Schedule) -> None:
             raise InvalidScheduleError(f"region {r} lies outside nodes 0..{n}")
         if graph.region_spans is not None and (r.start, r.stop) not in graph.region_spans:
             raise InvalidScheduleError(
-                f"region {r} is not one of the graph's region spans (one module call each)"
+                f"region {r} is not one of the graph's region spans (one module call each, for "
+                f"a plan applied in place); solvers 'auto', 'dp' and 'ilp' keep to them"
             )
         for c in (r.start, r.stop):
             if c in forbidden:
