@@ -187,6 +187,31 @@ class _Segment:
     peak_above_start_bytes: int = 0
 
 
+class BackwardSegments:
+    """Memory of each forward node's backward: entered from autograd pre-hooks, in order."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        self.tracker = tracker
+        self.by_node: dict[int, _Segment] = {}
+        self.start_bytes = 0
+
+    def enter(self, i: int) -> None:
+        tr = self.tracker
+        if i == tr.node and tr.phase == "bwd" and i in self.by_node:
+            return  # another autograd node of the same forward node: one working set
+        self.close()
+        tr.node = i
+        self.by_node.setdefault(i, _Segment(start_bytes=tr.live_bytes))
+        self.start_bytes = tr.live_bytes
+        tr.peak_bytes = tr.live_bytes
+
+    def close(self) -> None:
+        seg = self.by_node.get(self.tracker.node)
+        if seg is not None:
+            above = self.tracker.peak_bytes - self.start_bytes
+            seg.peak_above_start_bytes = max(seg.peak_above_start_bytes, above)
+
+
 class _Step(fx.Interpreter):
     """Runs the forward node by node, recording storages, users, saves and autograd nodes."""
 
@@ -366,25 +391,9 @@ def estimate(
     for t in [*state.values(), *flat]:
         tracker.register_external(t)
     step = _Step(gm, tracker, index, mode)
-    bwd: dict[int, _Segment] = {}
-
-    def on_backward_node(i: int) -> None:
-        if i == tracker.node and tracker.phase == "bwd" and i in bwd:
-            return  # another autograd node of the same forward node: one working set
-        close_backward_segment()
-        tracker.node = i
-        bwd.setdefault(i, _Segment(start_bytes=tracker.live_bytes))
-        segment_start[0] = tracker.live_bytes
-        tracker.peak_bytes = tracker.live_bytes
-
-    segment_start = [0]
-
-    def close_backward_segment() -> None:
-        seg = bwd.get(tracker.node)
-        if seg is not None:
-            above = tracker.peak_bytes - segment_start[0]
-            seg.peak_above_start_bytes = max(seg.peak_above_start_bytes, above)
-
+    segments = BackwardSegments(tracker)
+    bwd = segments.by_node
+    on_backward_node, close_backward_segment = segments.enter, segments.close
     step.on_backward_node = on_backward_node
 
     with (
@@ -443,53 +452,9 @@ def _build(
 ) -> CostGraph:
     index = {n: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
-    # Forward storages that outlived their node are the graph's tensors.
-    tensors: list[Tensor] = []
-    produced_bytes = [0] * len(nodes)
-    recs: list[_Storage] = []
-    for i in range(len(nodes)):
-        for rec in tracker.allocated.get(("fwd", i), []):
-            survived = rec.alive or rec.users or rec.saved_by or rec.is_output or rec.held_to_end
-            if not survived:
-                continue
-            recs.append(rec)
-    for t_i, rec in enumerate(recs):
-        at_save = tracker.allocated_at_last_save.get(rec.node)
-        after_last_save = (
-            at_save is not None and tracker.allocated[("fwd", rec.node)].index(rec) >= at_save
-        )
-        users = tuple(sorted(u for u in rec.users if u != rec.node))
-        grad_bytes = rec.nbytes if rec.requires_grad else 0
-        tensors.append(
-            Tensor(
-                name=f"{nodes[rec.node].name}:{t_i}",
-                size_bytes=rec.nbytes,
-                producer=rec.node,
-                users=users,
-                saved_by=tuple(sorted(rec.saved_by)),
-                grad_bytes=grad_bytes,
-                is_output=rec.is_output and not rec.held_to_end,
-                held_to_end=rec.held_to_end or (rec.alive and not rec.is_output),
-                written_by=tuple(sorted(w for w in rec.written_by if w != rec.node)),
-                after_last_save=after_last_save,
-            )
-        )
-        produced_bytes[rec.node] += rec.nbytes
-    # Backward storages: alive after the step -> parameter gradients; freed by a later node's
-    # backward -> a gradient buffer; freed within their own node -> part of its working set.
-    param_grad = [0] * len(nodes)
-    grad_alloc = [0] * len(nodes)
-    buffers: list[GradBuffer] = []
-    for (phase, i), allocated in tracker.allocated.items():
-        if phase != "bwd" or i < 0:
-            continue
-        for r in allocated:
-            if r.alive:
-                param_grad[i] += r.nbytes
-            elif r.freed_at is not None and r.freed_at < i:
-                buffers.append(GradBuffer(r.nbytes, alloc_node=i, free_node=r.freed_at))
-                grad_alloc[i] += r.nbytes
-
+    tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
+        tracker, [n.name for n in nodes]
+    )
     attention = _attention_nodes(nodes, index, step, seq_lens)
     skips = _skip_nodes(nodes, index, step)
     out_nodes: list[Node] = []
@@ -545,6 +510,68 @@ def _build(
         grad_buffers=tuple(buffers),
         meta=meta,
     )
+
+
+def storage_records(
+    tracker: _Tracker, names: list[str], died_at: dict[int, int] | None = None
+) -> tuple[list[Tensor], list[int], list[int], list[int], list[GradBuffer]]:
+    """The CostGraph's storages from a tracked step whose nodes are named ``names``.
+
+    ``died_at``: id(storage record) -> node whose forward was running when it died, for
+    ``Tensor.freed_after`` (eager code, where Python frees storages, not the last reader).
+
+    Returns (tensors, bytes each node produces, parameter-gradient bytes and gradient-buffer
+    bytes each node's backward allocates, gradient buffers).
+    """
+    # Forward storages that outlived their node are the graph's tensors.
+    tensors: list[Tensor] = []
+    produced_bytes = [0] * len(names)
+    recs: list[_Storage] = []
+    for i in range(len(names)):
+        for rec in tracker.allocated.get(("fwd", i), []):
+            survived = rec.alive or rec.users or rec.saved_by or rec.is_output or rec.held_to_end
+            if not survived:
+                continue
+            recs.append(rec)
+    for t_i, rec in enumerate(recs):
+        at_save = tracker.allocated_at_last_save.get(rec.node)
+        after_last_save = (
+            at_save is not None and tracker.allocated[("fwd", rec.node)].index(rec) >= at_save
+        )
+        users = tuple(sorted(u for u in rec.users if u != rec.node))
+        grad_bytes = rec.nbytes if rec.requires_grad else 0
+        died = (died_at or {}).get(id(rec), -1)
+        tensors.append(
+            Tensor(
+                name=f"{names[rec.node]}:{t_i}",
+                size_bytes=rec.nbytes,
+                producer=rec.node,
+                users=users,
+                saved_by=tuple(sorted(rec.saved_by)),
+                grad_bytes=grad_bytes,
+                is_output=rec.is_output and not rec.held_to_end,
+                held_to_end=rec.held_to_end or (rec.alive and not rec.is_output),
+                written_by=tuple(sorted(w for w in rec.written_by if w != rec.node)),
+                after_last_save=after_last_save,
+                freed_after=died if died > max((rec.node, *users)) else -1,
+            )
+        )
+        produced_bytes[rec.node] += rec.nbytes
+    # Backward storages: alive after the step -> parameter gradients; freed by a later node's
+    # backward -> a gradient buffer; freed within their own node -> part of its working set.
+    param_grad = [0] * len(names)
+    grad_alloc = [0] * len(names)
+    buffers: list[GradBuffer] = []
+    for (phase, i), allocated in tracker.allocated.items():
+        if phase != "bwd" or i < 0:
+            continue
+        for r in allocated:
+            if r.alive:
+                param_grad[i] += r.nbytes
+            elif r.freed_at is not None and r.freed_at < i:
+                buffers.append(GradBuffer(r.nbytes, alloc_node=i, free_node=r.freed_at))
+                grad_alloc[i] += r.nbytes
+    return tensors, produced_bytes, param_grad, grad_alloc, buffers
 
 
 def _attention_nodes(nodes, index, step: _Step, seq_lens: set[int]) -> set[int]:

@@ -24,6 +24,7 @@ from planner.solvers.errors import (
 
 if TYPE_CHECKING:
     from planner.comparison import Comparison, compare
+    from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
     from planner.planning import Plan, apply_plan, plan
@@ -38,6 +39,8 @@ _LAZY = {
     "Plan": ("planner.planning", "Plan"),
     "plan": ("planner.planning", "plan"),
     "apply_plan": ("planner.planning", "apply_plan"),
+    "remove": ("planner.inplace", "remove"),
+    "InplacePlan": ("planner.inplace", "InplacePlan"),
 }
 
 
@@ -54,6 +57,7 @@ __all__ = [
     "CaptureError",
     "Comparison",
     "InfeasibleBudgetError",
+    "InplacePlan",
     "InvalidBudgetError",
     "Measurement",
     "Plan",
@@ -65,4 +69,5 @@ __all__ = [
     "compare",
     "measure",
     "plan",
+    "remove",
 ]

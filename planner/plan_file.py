@@ -74,8 +74,8 @@ def save_plan(plan: Plan, path: str | Path) -> None:
     Path(path).write_text(json.dumps(body, indent=1) + "\n")
 
 
-def load_plan_file(path: str | Path) -> dict[str, Any]:
-    """Read and check a plan file's form (not yet its fit to a model)."""
+def read_plan_body(path: str | Path) -> dict[str, Any]:
+    """Read a plan file and check its format, version and checksum (any form of plan)."""
     fix = "Save the plan again with plan.save(path), or plan anew with planner.plan(...)."
     try:
         body = json.loads(Path(path).read_text())
@@ -96,6 +96,18 @@ def load_plan_file(path: str | Path) -> dict[str, Any]:
     if checksum != _checksum(body):
         raise PlanFileError(
             f"{path} was modified after it was saved (its checksum does not match). {fix}"
+        )
+    return body
+
+
+def load_plan_file(path: str | Path) -> dict[str, Any]:
+    """Read and check a graph plan file's form (not yet its fit to a model)."""
+    fix = "Save the plan again with plan.save(path), or plan anew with planner.plan(...)."
+    body = read_plan_body(path)
+    if body.get("form", "graph") != "graph":
+        raise PlanFileError(
+            f"{path} holds an in-place plan: apply it with planner.apply_plan(model, path) "
+            f"(no example input), or plan with form='graph' for a GraphModule."
         )
     try:
         regions = [

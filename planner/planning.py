@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from planner.inplace import InplacePlan, apply_plan_file, plan_inplace
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
@@ -33,11 +34,17 @@ from planner.passes.step import LossFn
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
 from planner.solvers.costgraph import CostGraph, Region, Schedule
-from planner.solvers.errors import InvalidBudgetError, PlanFileError, UnsupportedModelError
+from planner.solvers.errors import (
+    InvalidBudgetError,
+    PlanFileError,
+    PlannerError,
+    UnsupportedModelError,
+)
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import Simulation, simulate
 
 GB = 10**9  # mem_budget_gb counts decimal gigabytes, as its name says
+FORMS = ("graph", "inplace")
 
 # Called with the name of each step as it starts ("capture", "estimate", "solve", "build"),
 # e.g. to move a progress bar.
@@ -70,9 +77,17 @@ class Plan:
     simulation: Simulation = field(repr=False)
     solve_time_s: float = 0.0  # the solver's wall time (0 for a plan applied from a file)
 
+    form = "graph"
+
     @property
     def predicted_recompute_time_s(self) -> float:
         return self.simulation.recompute_time_s
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise PlannerError(
+            "a graph plan is carried out by p.module (a GraphModule), not on the model's own "
+            "modules; plan with planner.plan(..., form='inplace') to apply a plan in place"
+        )
 
     def summary(self, verbose: bool = False) -> str:
         """The regions, what each frees and what its recomputation costs, and the totals.
@@ -152,6 +167,16 @@ class PricedModel:
         return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
 
 
+def check_trainable(model: torch.nn.Module) -> None:
+    """UnsupportedModelError for a model with no parameter to train."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UnsupportedModelError(
+            f"no parameter of {type(model).__name__} requires grad, so a training step has "
+            f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
+            f"(param.requires_grad_(True)) before planning"
+        )
+
+
 def price(
     model: torch.nn.Module,
     example_input: Any,
@@ -164,12 +189,7 @@ def price(
     Raises ``UnsupportedModelError`` for a model with nothing to train or no loss to
     differentiate (pass ``loss_fn``), ``CaptureError`` when it cannot be captured.
     """
-    if not any(p.requires_grad for p in model.parameters()):
-        raise UnsupportedModelError(
-            f"no parameter of {type(model).__name__} requires grad, so a training step has "
-            f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
-            f"(param.requires_grad_(True)) before planning"
-        )
+    check_trainable(model)
     on_step("capture")
     captured = capture(model, example_input)
     on_step("estimate")
@@ -184,9 +204,14 @@ def plan(
     solver: str = "auto",
     *,
     loss_fn: LossFn | None = None,
+    form: str = "graph",
     **solver_opts: Any,
-) -> Plan:
+) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
+
+    ``form="graph"``: a Plan whose ``module`` (a GraphModule) carries it out.
+    ``form="inplace"``: an InplacePlan priced on what eager runs; ``p.apply(model)`` wraps the
+    model's own modules (planner/inplace.py).
 
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
@@ -194,7 +219,12 @@ def plan(
     least feasible budget) when no schedule fits.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     get_solver(solver)  # fail on an unknown solver before the slow part
+    if form == "inplace":
+        check_trainable(model)
+        return plan_inplace(model, example_input, budget_bytes, solver, loss_fn, **solver_opts)
     priced = price(model, example_input, loss_fn=loss_fn)
     return priced.plan(budget_bytes, solver, **solver_opts)
 
@@ -202,15 +232,21 @@ def plan(
 def apply_plan(
     model: torch.nn.Module,
     path: str | Path,
-    example_input: Any,
+    example_input: Any = None,
     *,
     loss_fn: LossFn | None = None,
-) -> Plan:
-    """Re-capture ``model`` and apply the saved plan at ``path`` without solving again.
+) -> Plan | torch.nn.Module:
+    """Apply the saved plan at ``path`` without solving again.
+
+    Without ``example_input`` (an in-place plan): wrap ``model``'s own modules and return the
+    same model (``planner/inplace.py``). With it (a graph plan): re-capture ``model`` and return
+    the Plan whose ``module`` carries it out.
 
     Refuses (``PlanFileError``) a file that is malformed, edited, from another format version,
-    or made for another model or other input shapes.
+    or made for another model (or, for a graph plan, other input shapes).
     """
+    if example_input is None:
+        return apply_plan_file(model, path)
     body = load_plan_file(path)
     priced = price(model, example_input, loss_fn=loss_fn)
     if priced.fingerprint != body["fingerprint"]:

@@ -4,7 +4,9 @@
 policies (selective, every block, Chen's greedy) are also tried because each can reach a point
 ``dp``'s space lacks (selective keeps matmul outputs while recomputing their inputs). Small
 graphs also get the exact ``ilp``. Schedule.solver names the winner; Schedule.note lists the
-others' recompute time, and what the time limit cut short.
+others' recompute time, and what the time limit cut short. On module-granular graphs
+(``CostGraph.region_spans``: plans applied in place) only the solvers that keep to the spans
+run: none, dp, ilp.
 
 Options: ``time_limit_s`` bounds the whole call and is shared by the solvers in the order they
 run (the cheap ones first); each solver's own options go in the field named after it, as its
@@ -48,6 +50,8 @@ class AutoOptions(SolverOptions):
 def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> Schedule:
     deadline = options.deadline()
     names = ["none", "selective", "uniform", "greedy", "dp"]
+    if graph.region_spans is not None:
+        names = ["none", "dp"]  # the solvers whose regions follow module calls
     if len(graph.nodes) <= ILP_MAX_NODES:
         names.append("ilp")
     found: list[tuple[float, int, str, Schedule]] = []

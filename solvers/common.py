@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from planner.solvers.costgraph import CostGraph, Region, Schedule
-from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.errors import InfeasibleBudgetError, UnsupportedModelError
 from planner.solvers.simulate import simulate
 
 
@@ -24,6 +24,13 @@ def finish(
     this schedule's peak), so the error states the least feasible budget it knows of.
     """
     schedule = Schedule(tuple(sorted(regions, key=lambda r: (r.start, -r.stop))), solver, gap, note)
+    spans = graph.region_spans
+    if spans is not None and any((r.start, r.stop) not in spans for r in schedule.regions):
+        raise UnsupportedModelError(
+            f"solver {solver!r} places regions between arbitrary nodes, but this graph's regions "
+            f"must each be one module call (a plan applied in place); use solver 'auto', 'dp' "
+            f"or 'ilp', or plan with form='graph'"
+        )
     peak_bytes = simulate(graph, schedule).peak_bytes
     if peak_bytes > budget_bytes:
         least = peak_bytes if min_bytes is None else min(min_bytes, peak_bytes)

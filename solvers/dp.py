@@ -27,6 +27,10 @@ transformer share their work.
 At the top level the programme also offers selective regions between coarse cuts (matmul
 outputs cached, the rest recomputed; ``solvers/selective.py``).
 
+On a module-granular graph (``CostGraph.region_spans``, for plans applied in place) regions are
+exactly the spans, nested as the module tree allows, and selective regions are offered on every
+span at the top level; the space is then every laminar family of spans.
+
 The programme assumes every tensor a node saves is one it reads or produces (true of autograd),
 and that a recomputation runs to its region's end. ``simulate`` stops a recomputation at its
 last save when the graph says where that is (estimated graphs do; hand-built ones do not), so
@@ -232,13 +236,20 @@ class _Programme:
         coarse_span: int,
         selective: bool,
         deadline: float | None = None,
+        spans: frozenset[tuple[int, int]] | None = None,
     ) -> None:
         self.p = p
         self.deadline = deadline
         # Region boundaries only after nodes that allocate (a cut after a view is the same cut
         # as the one before it, and skipping it leaves fewer states), never where an in-place
-        # write forbids them.
+        # write forbids them. Module-granular graphs: exactly the ends of their region spans.
         self.bounds = list(p.bounds)
+        self.span_ends: dict[int, list[int]] | None = None
+        if spans is not None:
+            self.span_ends = {}
+            for a, b in sorted(spans):
+                self.span_ends.setdefault(a, []).append(b)
+            self.bounds = sorted({0, p.n, *(c for ab in spans for c in ab)})
         self.is_bound = [False] * (p.n + 1)
         for c in self.bounds:
             self.is_bound[c] = True
@@ -365,7 +376,10 @@ class _Programme:
 
     def region_ends(self, c: int, b: int) -> list[int]:
         """Ends j of regions starting at c: any within ``max_span`` nodes, and the coarse cuts
-        beyond when c is one (long regions only between cheap cuts)."""
+        beyond when c is one (long regions only between cheap cuts); on a module-granular
+        graph, the ends of the spans starting at c."""
+        if self.span_ends is not None:
+            return [j for j in self.span_ends.get(c, ()) if j <= b]
         k = bisect.bisect_right(self.bounds, c)
         ends = [j for j in self.bounds[k : k + self.max_span] if j <= b]
         if self.is_coarse[c] and ends:
@@ -408,11 +422,18 @@ class _Programme:
                 p.grad_after_rel(i, b),
                 self.is_coarse[i],
                 self.is_bound[i],
+                self._spans_at(i, b),
                 tuple(self._tensor_sig(t, b) for t in p.produced[i]),
                 nxt,
             )
             nxt = self._suffix[(i, b)] = self._interned.setdefault(desc, len(self._interned))
         return nxt
+
+    def _spans_at(self, i: int, b: int) -> tuple[int, ...]:
+        """Ends (relative to ``b``) of the region spans starting at node i within the context."""
+        if self.span_ends is None:
+            return ()
+        return tuple(j - b for j in self.span_ends.get(i, ()) if j <= b)
 
     def key(self, c, b, crossing, root, whole_ok, depth):
         if c == b:
@@ -499,7 +520,8 @@ class _Programme:
                     surviving += p.produced[i]
                 last = j
                 surviving = [t for t in surviving if self.last_need(t, b, root) >= j]
-                if root and self.selective and self.is_coarse[c] and self.is_coarse[j]:
+                coarse = self.span_ends is not None or (self.is_coarse[c] and self.is_coarse[j])
+                if root and self.selective and coarse:
                     best = self.selective_option(c, j, b, crossing, best, choice, options)
                 held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
                 inner = self.value(c, j, (), False, False, depth + 1)
@@ -664,6 +686,7 @@ def solve_all(
         options.coarse_span,
         options.selective,
         deadline,
+        graph.region_spans,
     )
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
@@ -703,6 +726,9 @@ def least_peak(graph: CostGraph, options: DPOptions = DPOptions()) -> int:
 
 def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
     """(whether the space is every laminar family of the graph's regions, what it is)."""
+    depth = "" if options.max_depth is None else f", depth <= {options.max_depth}"
+    if graph.region_spans is not None:  # module-granular: the spans are the whole space
+        return True, "every module-call region" + depth
     every = options.max_span is None or len(graph.nodes) <= options.max_span
     note = "every interval" if every else f"spans <= {options.max_span} boundaries or coarse cuts"
     bounds = tuple(region_bounds(graph))
@@ -710,9 +736,7 @@ def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
     if len(staged) < len(bounds):
         every = False
         note = f"boundaries at {len(staged)} stage cuts of {len(bounds)}, {note}"
-    if options.max_depth is not None:
-        note += f", depth <= {options.max_depth}"
-    return every, note
+    return every, note + depth
 
 
 def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, deadline: float):

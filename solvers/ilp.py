@@ -82,8 +82,10 @@ def candidates(
 ) -> list[Region]:
     """Every interval on small graphs; else intervals spanning at most ``max_span`` boundaries
     (cuts after nodes that allocate: a cut after a view equals the one before it) and those
-    between coarse cuts."""
+    between coarse cuts. On a module-granular graph, exactly its region spans."""
     n = len(graph.nodes)
+    if graph.region_spans is not None:
+        return [Region(a, b) for a, b in sorted(graph.region_spans)]
     if max_span is None or n <= FULL_NODES:
         ok = allowed_cuts(graph)  # in-place writes forbid some boundaries
         return [Region(a, b) for a in range(n) for b in range(a + 1, n + 1) if ok[a] and ok[b]]

@@ -6,7 +6,9 @@ functions below) says "See Rule N".
 
 Rule 1. Forward lifetimes. Each storage is allocated by its producer and freed once no forward
         user is left and nothing holds it for backward. Outside any region, autograd holds a
-        storage until the backward of the earliest node that saved it.
+        storage until the backward of the earliest node that saved it. A storage with
+        ``freed_after`` (eager code: a Python variable outlives its last reader) stays alive
+        through that node's forward, without being an input of the regions it lies in.
 Rule 2. A region drops what its nodes save, but keeps its arguments (the storages it reads from
         outside) alive until its backward ends (the checkpoint saves its inputs).
 Rule 3. Nested arguments. The arguments of a region nested in a recomputation are tensors its
@@ -86,7 +88,8 @@ def validate(graph: CostGraph, schedule: Schedule) -> None:
             raise InvalidScheduleError(f"region {r} lies outside nodes 0..{n}")
         if graph.region_spans is not None and (r.start, r.stop) not in graph.region_spans:
             raise InvalidScheduleError(
-                f"region {r} is not one of the graph's region spans (one module call each)"
+                f"region {r} is not one of the graph's region spans (one module call each, for "
+                f"a plan applied in place); solvers 'auto', 'dp' and 'ilp' keep to them"
             )
         for c in (r.start, r.stop):
             if c in forbidden:
@@ -141,6 +144,8 @@ class _Replay:
             self.produced[t.producer].append(t_i)
             for u in set(t.users):
                 self.used[u].append(t_i)
+            if t.freed_after > t.producer and t.freed_after not in t.users:
+                self.used[t.freed_after].append(t_i)  # held, not read: never a region input
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_event = ""
@@ -296,6 +301,13 @@ class _Replay:
                 return  # the first forward's copy is still alive and is reused
             self._hold(key, t.size_bytes, 1)  # never released: lives to the end of the step
         fwd_users = sum(1 for u in set(t.users) if start <= u < run_stop and u > t.producer)
+        if t.freed_after > t.producer and t.freed_after not in t.users:
+            if start <= t.freed_after < run_stop:
+                fwd_users += 1
+            elif ctx is not ROOT and t.freed_after >= run_stop:
+                # Python still holds it as this recomputation stops: alive until its end
+                self._hold(key, t.size_bytes, 1)
+                self._later(ctx, ("recompute_end",), key)
         self._hold(key, t.size_bytes, 1 + fwd_users)  # released by producer and each user
         if ctx is ROOT and t.is_output:
             self._hold(key, t.size_bytes, 1)

@@ -1,0 +1,451 @@
+"""Eager: price what the model's own forward runs, op by op, on fake tensors.
+
+In: an ``nn.Module`` (not a captured graph), its example args/kwargs and optionally the loss
+function. Out: an :class:`EagerGraph`: a :class:`planner.solvers.costgraph.CostGraph` whose nodes
+are the aten operations of one forward + loss step in dispatch order, named
+``<module path>:<op>:<k>`` (``blocks.0.attn:addmm:2``; ``model:...`` for the root's own ops,
+``step:...`` for the loss outside the model), with ``op`` the overload (``aten.addmm.default``)
+-- exactly what ``torch.utils.checkpoint``'s selective-checkpoint dispatch mode sees at run time,
+since this is the model's own code, not an export of it -- and ``region_spans``: the node
+interval of each submodule call that may become a region applied in place.
+
+How: the step runs ONCE under ``FakeTensorMode`` with ``estimate._Tracker`` beneath a dispatch
+mode that opens a node per aten op. Storages, frees, FLOPs, bytes moved and in-place writes are
+the tracker's. Saves for backward: ``saved_tensors_hooks`` see each save, but autograd saves an
+op's inputs before the op reaches dispatch, so a save is attributed to the node whose backward
+unpacks it (or, never unpacked, the op that ran last). Backward: an op's grad_fn is attached
+after it returns from dispatch, so the previous ops' outputs (held by weakref only) are claimed
+as the next op starts, and their grad_fns get pre-hooks as in ``estimate``.
+
+Module calls: every submodule's ``forward`` is wrapped during the run (an instance attribute,
+removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what
+``planner/inplace.py`` will checkpoint. Not candidates (``EagerGraph.refused`` says why): modules
+called more than once per step (a region is every call of a module, and the plans here price
+one), calls under ``torch.no_grad``, spans whose ops write model buffers (BatchNorm running
+statistics would be updated again by recomputation), and spans an in-place write crosses.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+from planner.passes.estimate import (
+    SKIP_GAP_NODES,
+    BackwardSegments,
+    _Segment,
+    _to_fake,
+    _Tracker,
+    device_rates,
+    storage_records,
+)
+from planner.passes.step import LossFn, floating_leaves, split_input, training_loss
+from planner.solvers.costgraph import CostGraph, Node
+from planner.solvers.cuts import forbidden_cuts
+
+_SQUARE_OPS = ("mm", "bmm", "baddbmm", "matmul", "einsum")
+# Ops selective checkpointing lets through without asking its policy (nor counting them).
+UNCOUNTED_OPS = frozenset(str(op) for op in SAC_IGNORED_OPS)
+
+
+@dataclass(frozen=True)
+class EagerGraph:
+    """A priced eager step and the module calls that may become regions.
+
+    ``spans``: (start, stop) -> module path, for every span in ``graph.region_spans`` (the
+    outermost module when several share one span). ``refused``: module path -> why it is not a
+    candidate. ``module_types``: module path -> class name, of every module of the model.
+    """
+
+    graph: CostGraph
+    spans: dict[tuple[int, int], str]
+    refused: dict[str, str]
+    module_types: dict[str, str]
+
+    def op_sequence(self, start: int, stop: int) -> list[str]:
+        """The overloads a selective-checkpoint policy sees in nodes [start, stop), in order."""
+        ops = (self.graph.nodes[i].op for i in range(start, stop))
+        return [op for op in ops if op not in UNCOUNTED_OPS]
+
+    def op_key(self, i: int, start: int) -> tuple[str, int]:
+        """(overload, occurrence of it since ``start``): how a policy names node ``i``."""
+        op = self.graph.nodes[i].op
+        return op, self.op_sequence(start, i).count(op)
+
+
+@dataclass(eq=False)
+class _Save:
+    storage: Any  # estimate._Storage or None (a storage the tracker never saw)
+    node: int  # the op that ran last when autograd saved it
+    allocated: int  # storages that op had allocated by then
+    owner: int | None = None  # the node whose backward unpacked it
+
+
+class _OpTracker(_Tracker):
+    """The estimate tracker, plus one node per aten op of the forward and loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = False
+        self.internal = 0  # our own ops (detaching saves): not the model's
+        self.names: list[str] = []
+        self.ops: list[str] = []
+        self.paths: list[str] = []
+        self.reads: list[set[int]] = []
+        self.fwd: list[_Segment] = []
+        self.shapes: list[list[tuple[int, ...]]] = []
+        self.views: set[int] = set()
+        self.path_stack: list[str] = []
+        self.counts: dict[tuple[str, str], int] = defaultdict(int)
+        self.pending: list[tuple[int, list[weakref.ref]]] = []
+        self.grad_fn_node: dict[Any, int] = {}
+        self.saves: list[_Save] = []
+        self.segments = BackwardSegments(self)
+        self.died_at: dict[int, int] = {}  # id(storage record) -> op running when it died
+
+    def _free(self, key: int, rec: Any) -> None:
+        if self.recording and self.phase == "fwd":
+            self.died_at[id(rec)] = self.node
+        super()._free(key, rec)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.internal or not self.recording or self.phase != "fwd":
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func in SAC_IGNORED_OPS:  # metadata queries and detach: no op of the model's
+            return func(*args, **(kwargs or {}))
+        self.claim_pending()
+        i = len(self.names)
+        path = self.path_stack[-1] if self.path_stack else None
+        prefix = ("model" if path == "" else path) if path is not None else "step"
+        short = func._overloadpacket.__name__
+        self.names.append(f"{prefix}:{short}:{self.counts[(prefix, short)]}")
+        self.counts[(prefix, short)] += 1
+        self.ops.append(str(func))
+        self.paths.append(path or "")
+        self.node = i
+        read, reads = set(), set()
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and (rec := self.lookup(t)) is not None:
+                read.add(id(rec))
+                if rec.node >= 0:
+                    rec.users.add(i)
+                    reads.add(rec.node)
+        self.reads.append(reads - {i})
+        seg = _Segment(start_bytes=self.live_bytes)
+        self.peak_bytes = self.live_bytes
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        seg.peak_above_start_bytes = self.peak_bytes - seg.start_bytes
+        self.fwd.append(seg)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.shapes.append([tuple(t.shape) for t in outs])
+        if outs and all(id(self.lookup(t)) in read for t in outs):
+            self.views.add(i)
+        self.pending.append((i, [weakref.ref(t) for t in outs]))
+        return out
+
+    def claim_pending(self) -> None:
+        """Map the grad_fns autograd attached to earlier ops' outputs to those ops."""
+        for i, refs in self.pending:
+            for ref in refs:
+                t = ref()
+                if t is None:
+                    continue
+                if (rec := self.lookup(t)) is not None:
+                    rec.requires_grad |= t.requires_grad and t.is_floating_point()
+                if t.grad_fn is not None:
+                    self.claim(t.grad_fn, i)
+        self.pending.clear()
+
+    def claim(self, grad_fn: Any, i: int) -> None:
+        stack = [grad_fn]
+        while stack:
+            g = stack.pop()
+            if g in self.grad_fn_node or type(g).__name__ == "AccumulateGrad":
+                continue
+            self.grad_fn_node[g] = i
+            g.register_prehook(functools.partial(_enter_backward, self.segments, i))
+            stack.extend(f for f, _ in g.next_functions if f is not None)
+
+    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
+        node = self.node
+        self.saves.append(_Save(self.lookup(t), node, len(self.allocated[("fwd", node)])))
+        self.internal += 1
+        try:
+            # detached: a saved copy pointing back at its grad_fn would form a reference cycle
+            # and keep storages alive past the moment autograd really frees them
+            return len(self.saves) - 1, t.detach()
+        finally:
+            self.internal -= 1
+
+    def unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
+        k, t = packed
+        save = self.saves[k]
+        if save.owner is None and self.phase == "bwd":
+            save.owner = self.node
+        return t
+
+    def resolve_saves(self) -> None:
+        for s in self.saves:
+            owner = s.node if s.owner is None else s.owner
+            if owner < 0:
+                continue
+            if s.storage is not None and s.storage.node >= 0:
+                s.storage.saved_by.add(owner)
+            # Inputs are saved before the op allocates anything, outputs after.
+            at = s.allocated if owner == s.node else 0
+            self.allocated_at_last_save[owner] = max(self.allocated_at_last_save.get(owner, 0), at)
+
+
+def _enter_backward(segments: BackwardSegments, i: int, grad_outputs: Any) -> None:
+    segments.enter(i)
+
+
+class ForwardWrapper:
+    """Stands in for one module's ``forward``: installed as ``MethodType(self, module)``, an
+    instance attribute, so the class, ``state_dict()`` keys, parameters and hooks are untouched,
+    ``inspect.signature(module.forward)`` is the original's (``__wrapped__``), and
+    ``copy.deepcopy`` rebinds it to the copy. Subclasses define ``__call__(module, ...)``."""
+
+    original: Callable[..., Any]
+    had_own: bool  # the module already had an instance-level forward (another wrapper's)
+
+    def install(self, module: torch.nn.Module) -> None:
+        own = module.__dict__.get("forward")
+        self.had_own = own is not None
+        self.original = own if own is not None else type(module).forward
+        functools.update_wrapper(self, self.original)
+        module.forward = types.MethodType(self, module)
+
+    def run_original(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.had_own:
+            return self.original(*args, **kwargs)
+        return self.original(module, *args, **kwargs)
+
+    def uninstall(self, module: torch.nn.Module) -> None:
+        if self.had_own:
+            module.forward = self.original
+        else:
+            del module.forward
+
+
+class _CallRecorder(ForwardWrapper):
+    def __init__(self, path: str, tracker: _OpTracker, calls: dict) -> None:
+        self.path, self.tracker, self.calls = path, tracker, calls
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        tracker = self.tracker
+        start, grad = len(tracker.names), torch.is_grad_enabled()
+        tracker.path_stack.append(self.path)
+        try:
+            return self.run_original(module, *args, **kwargs)
+        finally:
+            tracker.path_stack.pop()
+            self.calls[self.path].append((start, len(tracker.names), grad))
+
+
+@contextmanager
+def _recording_calls(model: torch.nn.Module, tracker: _OpTracker) -> Iterator[dict]:
+    calls: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
+    installed: list[tuple[_CallRecorder, torch.nn.Module]] = []
+    try:
+        for path, module in model.named_modules():
+            recorder = _CallRecorder(path, tracker, calls)
+            recorder.install(module)
+            installed.append((recorder, module))
+        yield calls
+    finally:
+        for recorder, module in reversed(installed):
+            recorder.uninstall(module)
+
+
+def eager_graph(
+    model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    rates: tuple[float, float] | None = None,
+) -> EagerGraph:
+    """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring)."""
+    args, kwargs = split_input(example_input)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    params = model.named_parameters(remove_duplicate=False)
+    state = {k: _to_fake(mode, v) for k, v in params}
+    state.update({k: _to_fake(mode, v) for k, v in model.named_buffers(remove_duplicate=False)})
+    fake_args = [_to_fake(mode, a) for a in args]
+    fake_kwargs = {k: _to_fake(mode, v) for k, v in kwargs.items()}
+    tracker = _OpTracker()
+    for t in [*state.values(), *tree_leaves((fake_args, fake_kwargs))]:
+        tracker.register_external(t)
+
+    with (
+        torch.nn.utils.stateless._reparametrize_module(model, state),
+        _recording_calls(model, tracker) as calls,
+        mode,
+        tracker,
+    ):
+        tracker.recording = True
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            out = model(*fake_args, **fake_kwargs)
+            loss = training_loss(out, loss_fn)
+        tracker.claim_pending()
+        tracker.recording = False
+        if not tracker.names:
+            raise ValueError(f"{type(model).__name__}'s forward ran no tensor operation")
+        for t in floating_leaves(out):
+            if (rec := tracker.lookup(t)) is not None:
+                rec.is_output = True
+        if (loss_rec := tracker.lookup(loss)) is not None and loss_rec.node >= 0:
+            loss_rec.held_to_end = True  # the caller holds the loss through backward
+        del out
+        tracker.phase = "bwd"
+        tracker.segments.enter(len(tracker.names) - 1)
+        loss.backward()
+        tracker.segments.close()
+        del loss
+    tracker.resolve_saves()
+
+    seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
+    if rates is None:
+        device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
+        rates = device_rates(device or torch.device("cpu"))
+    graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
+    return _candidates(model, graph, calls)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _build(tracker: _OpTracker, seq_lens: set[int], rates: tuple[float, float]) -> CostGraph:
+    n = len(tracker.names)
+    tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
+        tracker, tracker.names, tracker.died_at
+    )
+    attention = _attention(tracker, seq_lens)
+    skips = _skips(tracker)
+    nodes = []
+    bwd = tracker.segments.by_node
+    for i in range(n):
+        op = tracker.ops[i]
+        packet = op.split(".")[1] if op.count(".") >= 2 else op
+        tags = set()
+        if i in attention:
+            tags.add("attention")
+        if i in skips:
+            tags.add("skip")
+        if i in tracker.random_nodes:
+            tags.add("random")
+        if packet.endswith("_") and not packet.startswith("_"):
+            tags.add("inplace")
+        if "batch_norm" in packet:
+            tags.add("batchnorm")
+        if i in tracker.views and produced_bytes[i] == 0:
+            tags.add("view")
+        bseg = bwd.get(i, _Segment())
+        nodes.append(
+            Node(
+                name=tracker.names[i],
+                op=op,
+                inputs=tuple(sorted(tracker.reads[i])),
+                module_path=tracker.paths[i],
+                fwd_flops=tracker.flops.get(("fwd", i), 0),
+                bwd_flops=tracker.flops.get(("bwd", i), 0),
+                fwd_bytes_accessed=tracker.moved_bytes.get(("fwd", i), 0),
+                bwd_bytes_accessed=tracker.moved_bytes.get(("bwd", i), 0),
+                fwd_temp_bytes=max(0, tracker.fwd[i].peak_above_start_bytes - produced_bytes[i]),
+                bwd_temp_bytes=max(0, bseg.peak_above_start_bytes - grad_alloc[i] - param_grad[i]),
+                param_grad_bytes=param_grad[i],
+                tags=frozenset(tags),
+                state_bytes=sum(tracker.state_written.get(i, {}).values()),
+                saves_for_backward=i in tracker.allocated_at_last_save,
+            )
+        )
+    meta = {
+        "estimator": "fake tensors, eager",
+        "rates": f"{rates[0]:.3g} FLOP/s, {rates[1]:.3g} B/s",
+    }
+    if tracker.sdpa_backends:
+        meta["sdpa_backend"] = ",".join(sorted(tracker.sdpa_backends))
+    return CostGraph(
+        nodes=tuple(nodes),
+        tensors=tuple(tensors),
+        flops_per_s=rates[0],
+        bytes_per_s=rates[1],
+        grad_buffers=tuple(buffers),
+        meta=meta,
+    )
+
+
+def _attention(tracker: _OpTracker, seq_lens: set[int]) -> set[int]:
+    """Ops whose outputs grow with the square of the sequence length (as estimate's rule):
+    fused attention, an (S, S)-ended matmul, and (S, S)-ended ops computed from those."""
+    found: set[int] = set()
+    for i, op in enumerate(tracker.ops):
+        if "scaled_dot_product" in op or "attention" in op:
+            found.add(i)
+            continue
+        square = any(
+            len(s) >= 2 and s[-1] == s[-2] and s[-1] in seq_lens for s in tracker.shapes[i]
+        )
+        if square and (op.split(".")[1] in _SQUARE_OPS or tracker.reads[i] & found):
+            found.add(i)
+    return found
+
+
+def _skips(tracker: _OpTracker) -> set[int]:
+    """Producers of values read by two consumers far apart (residual streams)."""
+    users: dict[int, list[int]] = defaultdict(list)
+    for i, reads in enumerate(tracker.reads):
+        for r in reads:
+            users[r].append(i)
+    prefix = [0]
+    for i in range(len(tracker.names)):
+        prefix.append(prefix[-1] + (i not in tracker.views))
+    return {
+        i
+        for i, us in users.items()
+        if len(us) >= 2 and prefix[max(us)] - prefix[min(us) + 1] >= SKIP_GAP_NODES
+    }
+
+
+def _candidates(
+    model: torch.nn.Module, graph: CostGraph, calls: dict[str, list[tuple[int, int, bool]]]
+) -> EagerGraph:
+    forbidden = forbidden_cuts(graph)
+    spans: dict[tuple[int, int], str] = {}
+    refused: dict[str, str] = {}
+    for path, _ in model.named_modules():  # parents first: a shared span keeps the outermost
+        made = calls.get(path, [])
+        if len(made) != 1:
+            if made:
+                refused[path] = f"called {len(made)} times per step"
+            continue
+        start, stop, grad = made[0]
+        if stop == start:
+            continue
+        if not grad:
+            refused[path] = "runs under torch.no_grad()"
+        elif any(graph.nodes[i].state_bytes for i in range(start, stop)):
+            refused[path] = "writes model buffers in forward (BatchNorm running statistics)"
+        elif start in forbidden or stop in forbidden:
+            refused[path] = "an in-place write crosses its boundary"
+        else:
+            spans.setdefault((start, stop), path)
+    types = {path: type(m).__name__ for path, m in model.named_modules()}
+    return EagerGraph(
+        graph=replace(graph, region_spans=frozenset(spans)),
+        spans=spans,
+        refused=refused,
+        module_types=types,
+    )

@@ -1,0 +1,422 @@
+"""Plans carried out in place on the user's own modules: ``plan(..., form="inplace")``,
+``p.apply(model)``, ``planner.apply_plan(model, path)``, ``planner.remove(model)``.
+
+A region is one submodule (every call of it; the planner only offers modules called once per
+step). Applying a plan replaces each region module's ``forward`` by an instance attribute
+(``passes/eager.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
+module.training``, runs the original forward under non-reentrant
+``torch.utils.checkpoint.checkpoint`` (RNG state preserved), and otherwise calls it plainly:
+``model.eval()`` and ``torch.no_grad()`` run the model as it was. Nested regions nest
+checkpoints because the child's forward is wrapped too.
+
+'selective' regions run an op-level policy (``create_selective_checkpoint_contexts``) keyed by
+(op overload, occurrence of that overload within this call's forward), as eager dispatch sees
+the ops: MUST_SAVE for the planned keeps, PREFER_RECOMPUTE otherwise. Nothing depends on shapes,
+so any batch and sequence length runs (plan at the largest you train: memory grows with shape).
+If a call's op sequence differs from the planned one (data-dependent control flow), the rest of
+that call recomputes everything and a warning names the module once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
+from planner.passes.rewrite import NamedRegion as Region
+from planner.passes.step import LossFn
+from planner.plan_file import FORMAT, VERSION, _checksum, read_plan_body
+from planner.solvers.costgraph import CostGraph, Schedule
+from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
+from planner.solvers.registry import get_solver
+from planner.solvers.simulate import Simulation, simulate
+
+FORM = "inplace"
+SPAN_SOLVERS = ("auto", "dp", "ilp", "none")  # the solvers that keep to CostGraph.region_spans
+
+
+@dataclass(frozen=True)
+class ModuleRegion:
+    """What applying needs of one region: no graph, no shapes.
+
+    ``keeps``: (op overload, occurrence within the call) of the ops whose outputs a selective
+    region keeps; ``ops``: the overloads its forward was planned to run, in order (the ops a
+    selective-checkpoint policy is asked about), to detect divergence at run time.
+    """
+
+    path: str
+    kind: str = "recompute"
+    depth: int = 0
+    keeps: tuple[tuple[str, int], ...] = ()
+    ops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InplacePlan:
+    """A plan carried out on the model's own modules (``p.apply(model)``).
+
+    Bytes are peak bytes of one forward+loss+backward step above the pre-step baseline
+    (DESIGN.md), predicted on what eager runs. ``regions`` name module paths; their ``nodes``
+    are the op nodes (``blocks.0.attn:addmm:2``) of the eager CostGraph.
+    """
+
+    solver: str
+    regions: tuple[Region, ...]
+    module_regions: tuple[ModuleRegion, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    predicted_recompute_flops: int
+    step_flops: int
+    model_class: str
+    module_tree: tuple[tuple[str, str], ...] = field(repr=False)
+    graph: CostGraph | None = field(default=None, repr=False)
+    schedule: Schedule | None = field(default=None, repr=False)
+    simulation: Simulation | None = field(default=None, repr=False)
+
+    form = FORM
+
+    @property
+    def module(self) -> torch.nn.Module:
+        raise PlannerError(
+            "an in-place plan has no separate module: apply it to your model with "
+            "p.apply(model) (or planner.apply_plan(model, path)), and train the model itself; "
+            "plan with form='graph' for a GraphModule"
+        )
+
+    @property
+    def predicted_recompute_time_s(self) -> float:
+        return 0.0 if self.simulation is None else self.simulation.recompute_time_s
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap ``model``'s own region modules in place; returns the same object."""
+        check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")
+        return apply_regions(model, self.module_regions)
+
+    def summary(self) -> str:
+        """A table of the regions and the predicted memory and recompute cost."""
+        from planner.report import plan_summary
+
+        return plan_summary(self)  # type: ignore[arg-type]
+
+    def save(self, path: str | Path) -> None:
+        """Write a JSON that ``planner.apply_plan(model, path)`` applies in place."""
+        save_inplace(self, path)
+
+
+def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    return tuple((path, type(m).__name__) for path, m in model.named_modules())
+
+
+def plan_inplace(
+    model: torch.nn.Module,
+    example_input: Any,
+    budget_bytes: int,
+    solver: str = "auto",
+    loss_fn: LossFn | None = None,
+    **solver_opts: Any,
+) -> InplacePlan:
+    """Price ``model``'s eager step, solve over its module calls, and return the plan."""
+    solve = get_solver(solver)
+    if solver not in SPAN_SOLVERS:
+        raise UnsupportedModelError(
+            f"solver {solver!r} places regions between arbitrary nodes; an in-place plan's "
+            f"regions are module calls, which only {', '.join(map(repr, SPAN_SOLVERS))} keep "
+            f"to. Use one of those, or plan with form='graph'."
+        )
+    eg = eager_graph(model, example_input, loss_fn)
+    schedule = solve(eg.graph, budget_bytes, **solver_opts)
+    return build_inplace_plan(model, eg, schedule, budget_bytes)
+
+
+def build_inplace_plan(
+    model: torch.nn.Module, eg: EagerGraph, schedule: Schedule, budget_bytes: int
+) -> InplacePlan:
+    graph = eg.graph
+    simulation = simulate(graph, schedule)  # validates: regions are module spans
+    regions, module_regions = [], []
+    for r in sorted(schedule.regions, key=lambda r: (r.start, -r.stop)):
+        path = eg.spans[(r.start, r.stop)]
+        saved = sorted(r.saved_nodes)
+        regions.append(
+            Region(
+                name=path,
+                nodes=tuple(graph.nodes[i].name for i in range(r.start, r.stop)),
+                depth=r.depth,
+                kind=r.kind,
+                saved_nodes=tuple(graph.nodes[i].name for i in saved),
+            )
+        )
+        module_regions.append(
+            ModuleRegion(
+                path=path,
+                kind=r.kind,
+                depth=r.depth,
+                keeps=tuple(eg.op_key(i, r.start) for i in saved),
+                ops=tuple(eg.op_sequence(r.start, r.stop)),
+            )
+        )
+    return InplacePlan(
+        solver=schedule.solver,
+        regions=tuple(regions),
+        module_regions=tuple(module_regions),
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=simulation.peak_bytes,
+        baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
+        predicted_recompute_flops=simulation.recompute_flops,
+        step_flops=graph.step_flops,
+        model_class=type(model).__name__,
+        module_tree=module_tree(model),
+        graph=graph,
+        schedule=schedule,
+        simulation=simulation,
+    )
+
+
+# --------------------------------------------------------------------------- run time
+
+
+class _Policy:
+    """One checkpoint call's selective policy: (overload, occurrence) -> keep or recompute.
+
+    Forward and recomputation count separately (older torch asks the policy on both sides;
+    torch >= 2.10 replays the forward's decisions itself), and the recomputation repeats the
+    forward's decisions, so both sides agree even after a divergence."""
+
+    def __init__(self, wrapper: _RegionForward) -> None:
+        self.wrapper = wrapper
+        self.seen = 0
+        self.diverged = False
+        self.counts: dict[bool, dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
+        self.decisions: dict[tuple[str, int], CheckpointPolicy] = {}
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        op = _op_name(func)
+        counts = self.counts[bool(ctx.is_recompute)]
+        key = (op, counts[op])
+        counts[op] += 1
+        if ctx.is_recompute:
+            return self.decisions.get(key, CheckpointPolicy.PREFER_RECOMPUTE)
+        planned = self.wrapper.region.ops
+        if not self.diverged and (self.seen >= len(planned) or planned[self.seen] != op):
+            self.diverged = True
+            self.wrapper.diverged(
+                f"op {self.seen} is {op}, the plan expected "
+                + (planned[self.seen] if self.seen < len(planned) else "no more ops")
+            )
+        self.seen += 1
+        keep = not self.diverged and key in self.wrapper.keeps
+        decision = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        self.decisions[key] = decision
+        return decision
+
+
+@functools.cache
+def _op_name(func: Any) -> str:
+    return str(func)
+
+
+class _RegionForward(ForwardWrapper):
+    """A region module's forward: checkpointed while training with grad, plain otherwise."""
+
+    def __init__(self, region: ModuleRegion) -> None:
+        self.region = region
+        self.keeps = frozenset(region.keeps)
+        self.warned = False
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_grad_enabled() and module.training):
+            return self.run_original(module, *args, **kwargs)
+        body = functools.partial(self.run_original, module, **kwargs)
+        kind = self.region.kind
+        if kind == "offload":
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return body(*args)
+        if kind != "selective":
+            return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
+        policy = _Policy(self)
+        out = checkpoint(
+            body,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+        )
+        if not policy.diverged and policy.seen != len(self.region.ops):
+            self.diverged(f"it ran {policy.seen} ops, the plan expected {len(self.region.ops)}")
+        return out
+
+    def diverged(self, detail: str) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"planner: module {self.region.path!r} ran other operations than planned "
+                f"({detail}); data-dependent control flow? The rest of such calls recompute "
+                f"everything, so memory may differ from the prediction. Plan with an input that "
+                f"takes the same path you train with.",
+                stacklevel=3,
+            )
+
+
+def apply_regions(model: torch.nn.Module, regions: tuple[ModuleRegion, ...]) -> torch.nn.Module:
+    """Wrap each region's module of ``model`` in place (any earlier plan is removed first)."""
+    remove(model)
+    for region in regions:
+        _RegionForward(region).install(model.get_submodule(region.path))
+    return model
+
+
+def remove(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo an applied plan: every wrapped module runs its own forward again. Same object."""
+    for module in model.modules():
+        own = module.__dict__.get("forward")
+        wrapper = getattr(own, "__func__", None)
+        if isinstance(wrapper, _RegionForward):
+            wrapper.uninstall(module)
+    return model
+
+
+def check_fits(
+    model: torch.nn.Module,
+    model_class: str,
+    tree: tuple[tuple[str, str], ...],
+    regions: tuple[ModuleRegion, ...],
+    source: str,
+) -> None:
+    """PlanFileError naming the first way ``model`` differs from the one ``source`` was made
+    for: its class, a region's module path or class, then any module of the tree."""
+    fix = "Plan this model with planner.plan(..., form='inplace') and save that plan."
+    if type(model).__name__ != model_class:
+        raise PlanFileError(
+            f"{source} was made for a {model_class}, this model is a {type(model).__name__}. {fix}"
+        )
+    types = dict(tree)
+    for r in regions:
+        try:
+            module = model.get_submodule(r.path)
+        except AttributeError:
+            raise PlanFileError(
+                f"{source} checkpoints module {r.path!r}, which this model does not have. {fix}"
+            ) from None
+        if type(module).__name__ != types.get(r.path):
+            raise PlanFileError(
+                f"{source} checkpoints {r.path!r} as a {types.get(r.path)}, in this model it is "
+                f"a {type(module).__name__}. {fix}"
+            )
+    ours = module_tree(model)
+    for (path, kind), (their_path, their_kind) in zip(tree, ours):
+        if (path, kind) != (their_path, their_kind):
+            raise PlanFileError(
+                f"{source}'s module tree differs from this model's: {path!r} ({kind}) there, "
+                f"{their_path!r} ({their_kind}) here. {fix}"
+            )
+    if len(tree) != len(ours):
+        raise PlanFileError(
+            f"{source}'s module tree has {len(tree)} modules, this model {len(ours)}. {fix}"
+        )
+
+
+# --------------------------------------------------------------------------- plan files
+
+
+def _tree_hash(tree: tuple[tuple[str, str], ...]) -> str:
+    return hashlib.sha256(json.dumps(tree).encode()).hexdigest()
+
+
+def save_inplace(plan: InplacePlan, path: str | Path) -> None:
+    body = {
+        "format": FORMAT,
+        "version": VERSION,
+        "form": FORM,
+        "torch_version": torch.__version__,
+        "model_class": plan.model_class,
+        "fingerprint": _tree_hash(plan.module_tree),
+        "module_tree": [list(m) for m in plan.module_tree],
+        "solver": plan.solver,
+        "budget_bytes": plan.budget_bytes,
+        "regions": [
+            {
+                "module": m.path,
+                "kind": m.kind,
+                "depth": m.depth,
+                "keeps": [list(k) for k in m.keeps],
+                "ops": list(m.ops),
+                "nodes": list(r.nodes),
+                "saved_nodes": list(r.saved_nodes),
+            }
+            for m, r in zip(plan.module_regions, plan.regions)
+        ],
+        "predictions": {
+            "peak_bytes": plan.predicted_peak_bytes,
+            "baseline_peak_bytes": plan.baseline_peak_bytes,
+            "recompute_flops": plan.predicted_recompute_flops,
+            "step_flops": plan.step_flops,
+        },
+    }
+    body["checksum"] = _checksum(body)
+    Path(path).write_text(json.dumps(body, indent=1) + "\n")
+
+
+def load_inplace(path: str | Path) -> InplacePlan:
+    """Read an in-place plan file (no graph: the predictions are the saved ones)."""
+    body = read_plan_body(path)
+    if body.get("form") != FORM:
+        raise PlanFileError(
+            f"{path} holds a graph plan (regions of a captured graph), which needs the model's "
+            f"example input: planner.apply_plan(model, path, example_input). To apply a plan "
+            f"in place, plan with planner.plan(..., form='inplace') and save that."
+        )
+    try:
+        tree = tuple((str(p), str(k)) for p, k in body["module_tree"])
+        if _tree_hash(tree) != body["fingerprint"]:
+            raise ValueError("module tree fingerprint")
+        module_regions, regions = [], []
+        for r in body["regions"]:
+            m = ModuleRegion(
+                path=str(r["module"]),
+                kind=str(r["kind"]),
+                depth=int(r["depth"]),
+                keeps=tuple((str(op), int(k)) for op, k in r["keeps"]),
+                ops=tuple(str(op) for op in r["ops"]),
+            )
+            module_regions.append(m)
+            nodes, saved = tuple(map(str, r["nodes"])), tuple(map(str, r["saved_nodes"]))
+            regions.append(Region(m.path, nodes, m.depth, m.kind, saved))
+        pred = body["predictions"]
+        return InplacePlan(
+            solver=str(body["solver"]),
+            regions=tuple(regions),
+            module_regions=tuple(module_regions),
+            budget_bytes=int(body["budget_bytes"]),
+            predicted_peak_bytes=int(pred["peak_bytes"]),
+            baseline_peak_bytes=int(pred["baseline_peak_bytes"]),
+            predicted_recompute_flops=int(pred["recompute_flops"]),
+            step_flops=int(pred["step_flops"]),
+            model_class=str(body["model_class"]),
+            module_tree=tree,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanFileError(
+            f"{path} is missing or has a malformed field ({e!r}). Save the plan again with "
+            f"plan.save(path)."
+        ) from e
+
+
+def apply_plan_file(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
+    """``planner.apply_plan(model, path)``: check the file fits ``model``, then wrap in place."""
+    plan = load_inplace(path)
+    check_fits(model, plan.model_class, plan.module_tree, plan.module_regions, str(path))
+    return apply_regions(model, plan.module_regions)
