@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,59 +141,133 @@ def plan_and_apply(name: str, model: torch.nn.Module) -> Applied:
     return Applied(name, model, reference, p, eager_bytes, param_ids)
 
 
+BUILDERS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bloom": bloom}
+_CASES: dict[str, Applied] = {}
+
+
+def case(name: str) -> Applied:
+    """Each model planned and applied once per test session (planning is the slow part)."""
+    if name not in _CASES:
+        _CASES[name] = plan_and_apply(name, BUILDERS[name]())
+    return _CASES[name]
+
+
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def applied(request) -> Applied:
-    return plan_and_apply(request.param, {"gpt2": gpt2, "llama": llama}[request.param]())
+    """The two models the training-stack tests (Trainer, LoRA, saved plans) run on."""
+    return case(request.param)
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def any_applied(request) -> Applied:
+    """Every model: Mistral (grouped-query SDPA) and Bloom (custom autograd.Function) too."""
+    return case(request.param)
+
+
+# Known defects of the in-place planner (branch inplace), each a reproducer for the report;
+# strict, so a fix shows as XPASS. (check, model) -> cause.
+_FAKE_MASK = (
+    "transformers' is_tracing() counts FakeTensors as tracing (utils/import_utils.py "
+    "is_fake_tensor; masking_utils.py:295/332/368/776/1526), so the fake pricing run takes the "
+    "traced attention-mask path (a materialised bool mask into SDPA: scalar_tensor, "
+    "scalar_tensor, where) while real eager skips the mask (SDPA is_causal: ones, tril); the "
+    "op sequence differs, the selective region falls back to full recompute and the plan's "
+    "prediction is not what runs"
+)
+_LOCALS = (
+    "simulate frees a recompute region's unsaved values at their last use, but eager Python "
+    "keeps them alive until the region's forward returns (BloomAttention's query/key/value "
+    "locals), or longer: BloomAttention returns attention_probs (B x H x S x S) and "
+    "BloomModel's loop holds it in `outputs` until the next block returns. Baseline is exact; "
+    "the checkpointed plan measures above its prediction and its budget"
+)
+KNOWN: dict[tuple[str, str], str] = {
+    ("planned ops", "gpt2"): _FAKE_MASK,
+    ("planned ops", "llama"): _FAKE_MASK,
+    ("planned ops", "mistral"): _FAKE_MASK,
+    ("prediction", "gpt2"): _FAKE_MASK,
+    ("prediction", "llama"): _FAKE_MASK,
+    ("prediction", "mistral"): _FAKE_MASK,
+    ("prediction", "bloom"): _LOCALS,
+    ("budget", "bloom"): _LOCALS,
+}
+
+
+def expect_defect(request, check: str, name: str) -> None:
+    reason = KNOWN.get((check, name))
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
 
 
 # --- the applied model is the user's model -----------------------------------------------------
 
 
-def test_apply_keeps_the_model(applied: Applied):
-    model, ref, p = applied.model, applied.reference, applied.plan
+def test_apply_keeps_the_model(any_applied: Applied):
+    model, ref, p = any_applied.model, any_applied.reference, any_applied.plan
     assert p.form == "inplace"
     assert type(model) is type(ref)
     assert list(model.state_dict()) == list(ref.state_dict())  # no wrapper prefix
-    assert tuple(id(t) for t in model.parameters()) == applied.param_ids
-    assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
+    assert tuple(id(t) for t in model.parameters()) == any_applied.param_ids
+    if ref.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     # Half the eager peak needs checkpointing: the plan wraps modules, exactly its regions'.
     assert p.regions and wrapped_paths(model) == {r.name for r in p.regions}
     for path in wrapped_paths(model):
         module = model.get_submodule(path)
         # Trainer and generate() read forward signatures (label names, logits_to_keep, ...)
-        assert inspect.signature(module.forward) == inspect.signature(
-            type(module).forward.__get__(module)
-        )
+        own = type(module).forward.__get__(module)
+        assert inspect.signature(module.forward) == inspect.signature(own)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_gradients_bitwise_at_any_length(applied: Applied, length: int):
+def test_gradients_bitwise_at_any_length(any_applied: Applied, length: int):
     batch = tokens(length, seed=length, pad_last=length // 4)
-    assert_same_step_copy(applied.reference, applied.model, batch, seed=length)
+    assert_same_step_copy(any_applied.reference, any_applied.model, batch, seed=length)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_measured_peak_within_budget(applied: Applied, length: int):
-    measured = plain_peak_at(applied.model, length)
-    budget = applied.plan.budget_bytes
+def test_measured_peak_within_budget(any_applied: Applied, length: int, request):
+    expect_defect(request, "budget", any_applied.name)
+    measured = plain_peak_at(any_applied.model, length)
+    budget = any_applied.plan.budget_bytes
     assert measured <= budget, (
-        f"{applied.name} at {BATCH}x{length}: measured {measured / 2**20:.2f} MiB > budget "
-        f"{budget / 2**20:.2f} MiB (eager {applied.eager_peak_bytes / 2**20:.2f} MiB)"
+        f"{any_applied.name} at {BATCH}x{length}: measured {measured / 2**20:.2f} MiB > budget "
+        f"{budget / 2**20:.2f} MiB (eager {any_applied.eager_peak_bytes / 2**20:.2f} MiB)"
     )
     if length < SEQ:  # shorter batches take less memory than the planned one
-        assert measured < plain_peak_at(applied.model, SEQ)
+        assert measured < plain_peak_at(any_applied.model, SEQ)
 
 
-def test_prediction_matches_measurement_at_planned_shape(applied: Applied):
-    """Priced on what eager runs, the plan's predicted peak is what the applied model measures."""
-    measured = plain_peak_at(applied.model, SEQ)
-    predicted = applied.plan.predicted_peak_bytes
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
-    baseline = applied.plan.baseline_peak_bytes
-    assert abs(baseline - applied.eager_peak_bytes) <= 0.01 * applied.eager_peak_bytes, (
-        baseline,
-        applied.eager_peak_bytes,
+def test_baseline_prediction_is_eager_peak(any_applied: Applied):
+    """Priced on what eager runs: the predicted no-checkpoint peak is the measured eager peak
+    (under export, Bloom's graph needed 1.87x and Mistral's 1.08x the model's own memory)."""
+    baseline, eager = any_applied.plan.baseline_peak_bytes, any_applied.eager_peak_bytes
+    assert abs(baseline - eager) <= 0.01 * eager, (
+        f"{any_applied.name}: predicted no-checkpoint peak {baseline / 2**20:.3f} MiB vs "
+        f"measured eager {eager / 2**20:.3f} MiB"
     )
+
+
+def test_prediction_matches_measurement_at_planned_shape(any_applied: Applied, request):
+    expect_defect(request, "prediction", any_applied.name)
+    measured = plain_peak_at(any_applied.model, SEQ)
+    predicted = any_applied.plan.predicted_peak_bytes
+    assert abs(predicted - measured) <= 0.01 * measured, (
+        f"{any_applied.name}: predicted {predicted / 2**20:.3f} MiB, measured "
+        f"{measured / 2**20:.3f} MiB"
+    )
+
+
+def test_planned_ops_run_at_planned_shape(any_applied: Applied, request):
+    """The example it was planned with runs exactly the planned op sequence: no region falls
+    back to full recomputation (planner warns when one does)."""
+    expect_defect(request, "planned ops", any_applied.name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        any_applied.model(**tokens(SEQ)).loss.backward()
+    any_applied.model.zero_grad(set_to_none=True)
+    diverged = [str(w.message) for w in caught if "ran other operations" in str(w.message)]
+    assert not diverged, diverged[0]
 
 
 # --- Trainer, evaluate, save/load, generate ----------------------------------------------------
@@ -395,21 +470,3 @@ def test_lora_adapter_only_gradients_and_peft_save_load(tmp_path):
     assert lora_keys
     for key in lora_keys:
         assert torch.equal(loaded.state_dict()[key], state[key]), key
-
-
-# --- Mistral and Bloom: priced as eager runs them ---------------------------------------------
-
-
-@pytest.mark.parametrize("build", [mistral, bloom], ids=["mistral", "bloom"])
-def test_eager_paths_priced_and_bitwise(build):
-    case = plan_and_apply(build.__name__, build())
-    baseline, eager = case.plan.baseline_peak_bytes, case.eager_peak_bytes
-    assert abs(baseline - eager) <= 0.01 * eager, (
-        f"{case.name}: predicted no-checkpoint peak {baseline / 2**20:.3f} MiB vs measured eager "
-        f"{eager / 2**20:.3f} MiB"
-    )
-    assert case.plan.regions
-    for length in (SEQ, 40):
-        batch = tokens(length, seed=length, pad_last=length // 4)
-        assert_same_step_copy(case.reference, case.model, batch, seed=length)
-    assert plain_peak_at(case.model, SEQ) <= case.plan.budget_bytes
