@@ -112,6 +112,12 @@ class _OpTracker(_Tracker):
         self.grad_fn_node: dict[Any, int] = {}
         self.saves: list[_Save] = []
         self.segments = BackwardSegments(self)
+        self.died_at: dict[int, int] = {}  # id(storage record) -> op running when it died
+
+    def _free(self, key: int, rec: Any) -> None:
+        if self.recording and self.phase == "fwd":
+            self.died_at[id(rec)] = self.node
+        super()._free(key, rec)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.internal or not self.recording or self.phase != "fwd":
@@ -324,7 +330,7 @@ def _is_tensor(x: Any) -> bool:
 def _build(tracker: _OpTracker, seq_lens: set[int], rates: tuple[float, float]) -> CostGraph:
     n = len(tracker.names)
     tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
-        tracker, tracker.names
+        tracker, tracker.names, tracker.died_at
     )
     attention = _attention(tracker, seq_lens)
     skips = _skips(tracker)

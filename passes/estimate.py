@@ -533,9 +533,12 @@ def _build(
 
 
 def storage_records(
-    tracker: _Tracker, names: list[str]
+    tracker: _Tracker, names: list[str], died_at: dict[int, int] | None = None
 ) -> tuple[list[Tensor], list[int], list[int], list[int], list[GradBuffer]]:
     """The CostGraph's storages from a tracked step whose nodes are named ``names``.
+
+    ``died_at``: id(storage record) -> node whose forward was running when it died, for
+    ``Tensor.freed_after`` (eager code, where Python frees storages, not the last reader).
 
     Returns (tensors, bytes each node produces, parameter-gradient bytes and gradient-buffer
     bytes each node's backward allocates, gradient buffers).
@@ -557,6 +560,7 @@ def storage_records(
         )
         users = tuple(sorted(u for u in rec.users if u != rec.node))
         grad_bytes = rec.nbytes if rec.requires_grad else 0
+        died = (died_at or {}).get(id(rec), -1)
         tensors.append(
             Tensor(
                 name=f"{names[rec.node]}:{t_i}",
@@ -569,6 +573,7 @@ def storage_records(
                 held_to_end=rec.held_to_end or (rec.alive and not rec.is_output),
                 written_by=tuple(sorted(w for w in rec.written_by if w != rec.node)),
                 after_last_save=after_last_save,
+                freed_after=died if died > max((rec.node, *users)) else -1,
             )
         )
         produced_bytes[rec.node] += rec.nbytes

@@ -40,11 +40,12 @@ from planner.passes.rewrite import Region
 from planner.passes.step import LossFn
 from planner.plan_file import FORMAT, VERSION, _checksum, read_plan_body
 from planner.solvers.costgraph import CostGraph, Schedule
-from planner.solvers.errors import PlanFileError, PlannerError
+from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import Simulation, simulate
 
 FORM = "inplace"
+SPAN_SOLVERS = ("auto", "dp", "ilp", "none")  # the solvers that keep to CostGraph.region_spans
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,12 @@ def plan_inplace(
 ) -> InplacePlan:
     """Price ``model``'s eager step, solve over its module calls, and return the plan."""
     solve = get_solver(solver)
+    if solver not in SPAN_SOLVERS:
+        raise UnsupportedModelError(
+            f"solver {solver!r} places regions between arbitrary nodes; an in-place plan's "
+            f"regions are module calls, which only {', '.join(map(repr, SPAN_SOLVERS))} keep "
+            f"to. Use one of those, or plan with form='graph'."
+        )
     eg = eager_graph(model, example_input, loss_fn)
     schedule = solve(eg.graph, budget_bytes, **solver_opts)
     return build_inplace_plan(model, eg, schedule, budget_bytes)

@@ -63,7 +63,9 @@ class Tensor:
     and such a writer (see ``planner.solvers.cuts.forbidden_cuts``). ``after_last_save``: its
     producer allocates it after its own last save for backward (a linear's output: autograd
     saves the inputs before the matmul runs), so a recomputation that stops early at that node
-    never allocates it.
+    never allocates it. ``freed_after``: in eager code Python, not the last reader, frees a
+    storage (``att`` in ``att = drop(softmax(att))`` lives until ``drop`` returns): the node
+    whose forward it outlives without reading it (-1: none, it dies after its last reader).
     """
 
     name: str
@@ -76,6 +78,7 @@ class Tensor:
     held_to_end: bool = False
     written_by: tuple[int, ...] = ()
     after_last_save: bool = False
+    freed_after: int = -1
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ It follows what PyTorch does at run time with non-reentrant ``torch.utils.checkp
   recomputation stops before it) until the region's backward ends;
   offload regions keep what they save in host memory and bring each storage back when the
   backward that needs it runs.
+- a storage with ``freed_after`` (eager code: a Python variable outlives its last reader) stays
+  alive through that node's forward, without being an input of the regions it lies in.
 - storages ``held_to_end`` (autocast's weight copies) live from their first forward to the end
   of the step; recomputation reuses them.
 - a recomputation stops early, as non-reentrant checkpoint does once every tensor the region
@@ -74,7 +76,8 @@ def validate(graph: CostGraph, schedule: Schedule) -> None:
             raise InvalidScheduleError(f"region {r} lies outside nodes 0..{n}")
         if graph.region_spans is not None and (r.start, r.stop) not in graph.region_spans:
             raise InvalidScheduleError(
-                f"region {r} is not one of the graph's region spans (one module call each)"
+                f"region {r} is not one of the graph's region spans (one module call each, for "
+                f"a plan applied in place); solvers 'auto', 'dp' and 'ilp' keep to them"
             )
         for c in (r.start, r.stop):
             if c in forbidden:
@@ -127,6 +130,8 @@ class _Replay:
             self.produced[t.producer].append(t_i)
             for u in set(t.users):
                 self.used[u].append(t_i)
+            if t.freed_after > t.producer and t.freed_after not in t.users:
+                self.used[t.freed_after].append(t_i)  # held, not read: never a region input
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_event = ""
@@ -295,6 +300,13 @@ class _Replay:
                 return  # the first forward's copy is still alive and is reused
             self._hold(key, t.size_bytes, 1)  # never released: lives to the end of the step
         fwd_users = sum(1 for u in set(t.users) if start <= u < run_stop and u > t.producer)
+        if t.freed_after > t.producer and t.freed_after not in t.users:
+            if start <= t.freed_after < run_stop:
+                fwd_users += 1
+            elif ctx is not ROOT and t.freed_after >= run_stop:
+                # Python still holds it as this recomputation stops: alive until its end
+                self._hold(key, t.size_bytes, 1)
+                self._later(ctx, ("recompute_end",), key)
         self._hold(key, t.size_bytes, 1 + fwd_users)  # released by producer and each user
         if ctx is ROOT and t.is_output:
             self._hold(key, t.size_bytes, 1)
