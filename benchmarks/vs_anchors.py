@@ -3,7 +3,12 @@
 Anchors: eager; ``torch.utils.checkpoint`` on every block by hand; ``checkpoint_sequential`` with
 about sqrt(N) segments; selective activation checkpointing that saves matmul outputs; and
 ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at 0.5 and 0.2.
-Then planner's rows: ``planner.plan`` with each anchor's measured peak as the budget.
+Then planner's rows: ``planner.plan`` with each anchor's measured peak as the budget. Then
+planner in place (``form="inplace"``, ``p.apply`` on a freshly built model: the model's own
+modules wrapped, op-level policies) at SAC's measured peak, at compile 0.5's measured peak and at
+50% of eager, with its predicted peak next to the measured one. The step times of eager, SAC,
+compile 0.5 and the in-place rows are medians of runs interleaved in this one process (one step
+of each in turn, ``--repeats`` rounds), so machine noise hits them alike.
 
 Every row is one ``planner.measure`` step (compiled rows via the profiler's allocation events,
 since a dispatch-mode tracker makes dynamo run eager). Recompute FLOPs % is the step's FLOPs over
@@ -12,14 +17,20 @@ checkpointing, on the forward and backward graphs inductor actually compiles for
 
     python -m benchmarks.vs_anchors            # GPT-ref, writes the BENCHMARKS.md section
     python -m benchmarks.vs_anchors --small    # GPT-ref-small smoke run, prints only
+    python -m benchmarks.vs_anchors --inplace-only --repeats 5
+        # only the in-place rows and the anchors they need (eager, SAC, compile 0.5); writes its
+        # own BENCHMARKS.md section
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import platform
+import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -42,6 +53,7 @@ from planner.passes.step import call, training_loss
 MiB = 2**20
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 SECTION_START, SECTION_END = "<!-- vs_anchors:start -->", "<!-- vs_anchors:end -->"
+INPLACE_START, INPLACE_END = "<!-- vs_anchors_inplace:start -->", "<!-- vs_anchors_inplace:end -->"
 COMMAND = "python -m benchmarks.vs_anchors"
 # matmul outputs: what selective checkpointing keeps (Linear on 3-D input is view + addmm/mm)
 MATMUL_OPS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
@@ -61,6 +73,7 @@ class Row:
     step_time_ratio: float = 1.0  # step time / eager step time
     note: str = ""
     saved_bytes: int = 0  # kept for backward at the end of forward
+    predicted_bytes: int = 0  # planner's predicted peak (0: not a planner row)
 
 
 # --- the anchors: each turns a fresh GPT into the module to measure -------------------------
@@ -227,31 +240,45 @@ def anchor_rows(
     compile_budgets: tuple[float, ...] = (0.5, 0.2),
     compile_backend: str = "inductor",
     repeats: int = 1,
+    hand_anchors: dict[str, Callable[[nn.Module], nn.Module]] = HAND_ANCHORS,
+    keep: dict[str, nn.Module] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
-    """Eager first, then every anchor, each on a fresh model with the same weights and input."""
+    """Eager first, then every anchor, each on a fresh model with the same weights and input.
+
+    ``keep``: when given, each row's module is stored in it by row name (for interleaved
+    timing later)."""
     rows = []
+    kept = {} if keep is None else keep
     model, x = example()
     flops = step_flops(model, x)  # doubles as the warmup step
     rows.append(_row("eager", measure(model, x, warmup=0, repeats=repeats), flops, 0.0))
+    kept["eager"] = model
     log(f"eager: {rows[-1].peak_bytes / MiB:.1f} MiB")
-    for name, wrap in HAND_ANCHORS.items():
+    for name, wrap in hand_anchors.items():
         model, x = example()
         start_s = time.perf_counter()
         model = wrap(model)
         setup_s = time.perf_counter() - start_s
         flops = step_flops(model, x)
         rows.append(_row(name, measure(model, x, warmup=0, repeats=repeats), flops, setup_s))
+        kept[name] = model
         log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
     for budget in compile_budgets:
         model, x = example()
         compiled, compile_s, flops = compile_with_budget(model, x, budget, compile_backend)
         m = measure(compiled, x, warmup=0, repeats=repeats)  # method "profiler" (compiled)
-        name = f"torch.compile ({compile_backend}), activation_memory_budget={budget}"
+        name = compile_row_name(compile_backend, budget)
         rows.append(_row(name, m, flops, compile_s, note="time includes the first step"))
+        kept[name] = compiled
         log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
-    torch._dynamo.reset()
+    if keep is None:
+        torch._dynamo.reset()
     return _relative(rows, rows[0])
+
+
+def compile_row_name(backend: str, budget: float) -> str:
+    return f"torch.compile ({backend}), activation_memory_budget={budget}"
 
 
 def planner_rows(
@@ -287,34 +314,192 @@ def planner_rows(
     return _relative(rows, eager)
 
 
+# --- planner in place ---------------------------------------------------------------------------
+
+SAC = "SAC, save matmuls"
+
+
+def inplace_targets(anchors: list[Row], compile_backend: str) -> list[tuple[str, int]]:
+    """(what, budget bytes) for the in-place rows: SAC's measured peak, compile 0.5's, and half
+    eager's."""
+    by_name = {r.name: r for r in anchors}
+    targets = [(f"{SAC}'s peak", by_name[SAC].peak_bytes)]
+    compile_half = by_name.get(compile_row_name(compile_backend, 0.5))
+    if compile_half is not None:
+        targets.append((f"{compile_half.name}'s peak", compile_half.peak_bytes))
+    targets.append(("50% of eager", anchors[0].peak_bytes // 2))
+    return targets
+
+
+def inplace_rows(
+    anchors: list[Row],
+    example: Example = gpt_ref_example,
+    *,
+    compile_backend: str = "inductor",
+    solver: str = "auto",
+    repeats: int = 1,
+    keep: dict[str, nn.Module] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """planner.plan(form="inplace") at each target budget, applied to a freshly built model
+    (what a training script does), measured like the anchors."""
+    import planner
+
+    rows = []
+    for what, budget_bytes in inplace_targets(anchors, compile_backend):
+        model, x = example()
+        name = f"planner in place ({solver}) at {what}"
+        start_s = time.perf_counter()
+        try:
+            plan = planner.plan(model, x, budget_bytes / 1e9, solver=solver, form="inplace")
+        except planner.PlannerError as e:
+            note = f"{type(e).__name__}: {e}"
+            rows.append(Row(name, 0, 0, 0.0, time.perf_counter() - start_s, "-", note=note))
+            log(f"{name}: {note}")
+            continue
+        plan_s = time.perf_counter() - start_s
+        fresh, x = example()
+        plan.apply(fresh)
+        flops = step_flops(fresh, x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = measure(fresh, x, warmup=0, repeats=repeats)
+        diverged = [w for w in caught if "ran other operations" in str(w.message)]
+        note = f"solver {plan.solver}, {len(plan.regions)} regions"
+        if diverged:
+            note += f"; {len(diverged)} region(s) ran other ops than planned (full recompute)"
+        row = _row(name, m, flops, plan_s, note=note)
+        rows.append(replace(row, predicted_bytes=plan.predicted_peak_bytes))
+        if keep is not None:
+            keep[name] = fresh
+        log(
+            f"{name}: {m.peak_bytes / MiB:.1f} MiB measured, "
+            f"{plan.predicted_peak_bytes / MiB:.1f} MiB predicted"
+        )
+    return _relative(rows, anchors[0])
+
+
+def interleaved_step_times(
+    modules: dict[str, nn.Module], example_input: Any, rounds: int
+) -> dict[str, float]:
+    """Median step time of each module, one step of each in turn per round, after one warmup
+    round: drifting machine load (other jobs on the cores) hits every module alike."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for r in range(rounds + 1):
+        for name, module in modules.items():
+            for p in module.parameters():
+                p.grad = None
+            gc.collect()
+            start_s = time.perf_counter()
+            training_loss(call(module, example_input)).backward()
+            if r:
+                times[name].append(time.perf_counter() - start_s)
+    for module in modules.values():
+        for p in module.parameters():
+            p.grad = None
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def with_interleaved_times(
+    rows: list[Row], modules: dict[str, nn.Module], example_input: Any, rounds: int
+) -> list[Row]:
+    """Replace the step time of every row with a kept module by its interleaved median, and
+    recompute every ratio against eager's."""
+    timed = interleaved_step_times(modules, example_input, rounds)
+    rows = [
+        replace(r, step_time_s=timed[r.name], note=_timed_note(r.note, rounds))
+        if r.name in timed
+        else r
+        for r in rows
+    ]
+    eager = rows[0]
+    return [replace(r, step_time_ratio=r.step_time_s / eager.step_time_s) for r in rows]
+
+
+def _timed_note(note: str, rounds: int) -> str:
+    timed = f"time: median of {rounds} interleaved steps"
+    return f"{note}; {timed}" if note else timed
+
+
+def inplace_verdicts(anchors: list[Row], ours: list[Row], compile_backend: str) -> list[str]:
+    """The issue's targets for the in-place rows, each line says met or **missed** and why."""
+    by_name = {r.name: r for r in anchors}
+    lines = []
+    for (what, budget_bytes), row in zip(inplace_targets(anchors, compile_backend), ours):
+        if row.method == "-":
+            lines.append(f"- at {what}: planner refused the budget ({row.note}): **missed**")
+            continue
+        fits = row.peak_bytes <= budget_bytes
+        peak = f"measured {row.peak_bytes / MiB:.1f} MiB vs budget {budget_bytes / MiB:.1f} MiB"
+        if what.startswith(SAC):
+            sac = by_name[SAC]
+            checks = {
+                "peak": fits,
+                "FLOPs": row.recompute_flops_pct <= sac.recompute_flops_pct + 0.5,
+                "time": row.step_time_s <= sac.step_time_s,
+            }
+            detail = (
+                f"{peak}; recompute FLOPs {row.recompute_flops_pct:+.1f}% vs SAC's "
+                f"{sac.recompute_flops_pct:+.1f}% (+0.5 allowed); step time "
+                f"{row.step_time_s:.3f} s vs SAC's {sac.step_time_s:.3f} s"
+            )
+        elif what.startswith("torch.compile"):
+            anchor = by_name[what.removesuffix("'s peak")]
+            checks = {
+                "peak": fits,
+                "FLOPs": row.recompute_flops_pct <= anchor.recompute_flops_pct,
+            }
+            detail = (
+                f"{peak}; recompute FLOPs {row.recompute_flops_pct:+.1f}% vs compile's "
+                f"{anchor.recompute_flops_pct:+.1f}%"
+            )
+        else:
+            error = row.predicted_bytes / row.peak_bytes - 1.0
+            checks = {"peak": fits, "prediction": abs(error) <= 0.01}
+            detail = (
+                f"{peak}; predicted {row.predicted_bytes / MiB:.2f} MiB, "
+                f"{100 * error:+.2f}% off measured (1% allowed)"
+            )
+        missed = [k for k, ok in checks.items() if not ok]
+        verdict = "met" if not missed else f"**missed** ({', '.join(missed)})"
+        lines.append(f"- at {what}: {detail}: {verdict}")
+    return lines
+
+
 # --- output ------------------------------------------------------------------------------------
 
 
 def to_markdown(rows: list[Row]) -> str:
     lines = [
-        "| run | measured peak (MiB) | saved for backward (MiB) | recompute FLOPs % "
-        "| step time ratio | plan/compile time (s) | measured by | note |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        "| run | measured peak (MiB) | predicted peak (MiB) | saved for backward (MiB) "
+        "| recompute FLOPs % | step time ratio | plan/compile time (s) | measured by | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         if r.peak_bytes == 0 and r.method == "-":
-            lines.append(f"| {r.name} | — | — | — | — | {r.setup_time_s:.1f} | — | {r.note} |")
+            lines.append(f"| {r.name} | — | — | — | — | — | {r.setup_time_s:.1f} | — | {r.note} |")
             continue
+        predicted = f"{r.predicted_bytes / MiB:.2f}" if r.predicted_bytes else "—"
         lines.append(
-            f"| {r.name} | {r.peak_bytes / MiB:.2f} | {r.saved_bytes / MiB:.2f} "
+            f"| {r.name} | {r.peak_bytes / MiB:.2f} | {predicted} | {r.saved_bytes / MiB:.2f} "
             f"| {r.recompute_flops_pct:+.1f} "
             f"| {r.step_time_ratio:.2f} | {r.setup_time_s:.1f} | {r.method} | {r.note} |"
         )
     return "\n".join(lines)
 
 
-def write_section(markdown: str, path: Path = BENCHMARKS_MD) -> None:
+def write_section(
+    markdown: str,
+    path: Path = BENCHMARKS_MD,
+    markers: tuple[str, str] = (SECTION_START, SECTION_END),
+) -> None:
     """Replace this script's section of BENCHMARKS.md (between its markers), or append it."""
-    section = f"{SECTION_START}\n{markdown}\n{SECTION_END}"
+    start, end = markers
+    section = f"{start}\n{markdown}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1]
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
@@ -340,17 +525,29 @@ def verdicts(anchors: list[Row], ours: list[Row]) -> list[str]:
     return lines
 
 
-def report(rows: list[Row], eager_step_s: float, title: str, n_anchors: int | None = None) -> str:
+def report(
+    rows: list[Row],
+    eager_step_s: float,
+    title: str,
+    n_anchors: int | None = None,
+    *,
+    n_inplace: int = 0,
+    command: str = COMMAND,
+    inplace_lines: list[str] | None = None,
+) -> str:
     """The section: how to regenerate it, the table and, when planner's rows follow the first
-    ``n_anchors`` rows, a verdict per anchor."""
-    anchors, ours = rows[:n_anchors], rows[n_anchors:] if n_anchors else []
+    ``n_anchors`` rows, a verdict per anchor; then the in-place targets when given (the last
+    ``n_inplace`` rows are the in-place ones)."""
+    anchors = rows[:n_anchors]
+    ours = rows[n_anchors : len(rows) - n_inplace] if n_anchors else []
     summary = ["", "Planner against each anchor, recompute FLOPs at equal measured peak:"]
     summary += verdicts(anchors, ours)
+    targets = ["", "planner in place against the issue's targets:", *(inplace_lines or [])]
     return "\n".join(
         [
             f"## {title}",
             "",
-            f"Regenerate: `{COMMAND}`. CPU ({platform.processor() or platform.machine()}, "
+            f"Regenerate: `{command}`. CPU ({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads), torch {torch.__version__}. Peak = bytes above "
             "the step's starting baseline (parameter gradients count); eager step "
             f"{eager_step_s:.2f} s. Recompute FLOPs: step FLOPs over eager's, FlopCounterMode "
@@ -361,6 +558,7 @@ def report(rows: list[Row], eager_step_s: float, title: str, n_anchors: int | No
             "",
             to_markdown(rows),
             *(summary if ours else []),
+            *(targets if inplace_lines else []),
         ]
     )
 
@@ -375,31 +573,85 @@ def main(argv: list[str] | None = None) -> None:
         choices=["inductor", "aot_eager"],
         help="aot_eager: same partitioner, no inductor codegen (minutes faster, unfused memory)",
     )
-    parser.add_argument("--no-planner", action="store_true", help="skip planner's rows")
+    parser.add_argument("--no-planner", action="store_true", help="skip planner's graph rows")
+    parser.add_argument("--no-inplace", action="store_true", help="skip planner's in-place rows")
+    parser.add_argument(
+        "--inplace-only",
+        action="store_true",
+        help="only the in-place rows and the anchors they need (eager, SAC, compile 0.5); "
+        "writes its own BENCHMARKS.md section",
+    )
     parser.add_argument("--solver", default="auto", help="planner solver for its rows")
-    parser.add_argument("--repeats", type=int, default=1, help="timed steps per row (median)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed steps per row (median); rounds of interleaved steps for the in-place rows",
+    )
     args = parser.parse_args(argv)
+    if args.inplace_only and args.no_inplace:
+        parser.error("--inplace-only and --no-inplace exclude each other")
 
-    if not args.no_planner:
-        from planner.solvers.registry import get_solver
+    from planner.solvers.registry import get_solver
 
-        get_solver(args.solver)  # an unknown solver fails now, not after the anchors' minutes
+    get_solver(args.solver)  # an unknown solver fails now, not after the anchors' minutes
     example = gpt_ref_small_example if args.small else gpt_ref_example
-    budgets = () if args.no_compile else (0.5, 0.2)
+    compile_budgets = (0.5,) if args.inplace_only else (0.5, 0.2)
+    keep: dict[str, nn.Module] = {}
     rows = anchor_rows(
         example,
-        compile_budgets=budgets,
+        compile_budgets=() if args.no_compile else compile_budgets,
         compile_backend=args.compile_backend,
         repeats=args.repeats,
+        hand_anchors={SAC: HAND_ANCHORS[SAC]} if args.inplace_only else HAND_ANCHORS,
+        keep=keep,
     )
     n_anchors = len(rows)
-    if not args.no_planner:
+    if not (args.no_planner or args.inplace_only):
         rows += planner_rows(rows, example, solver=args.solver, repeats=args.repeats)
-    title = "GPT-ref-small vs the anchors" if args.small else "GPT-ref vs the anchors (CPU)"
-    markdown = report(rows, rows[0].step_time_s, title, n_anchors)
+    lines = None
+    n_inplace = 0
+    if not args.no_inplace:
+        ours = inplace_rows(
+            rows[:n_anchors],
+            example,
+            compile_backend=args.compile_backend,
+            solver=args.solver,
+            repeats=args.repeats,
+            keep=keep,
+        )
+        n_inplace = len(ours)
+        timed = ["eager", SAC, compile_row_name(args.compile_backend, 0.5), *(r.name for r in ours)]
+        modules = {name: keep[name] for name in timed if name in keep}
+        rows = with_interleaved_times(rows + ours, modules, example()[1], args.repeats)
+        lines = inplace_verdicts(
+            rows[:n_anchors], rows[len(rows) - n_inplace :], args.compile_backend
+        )
+    keep.clear()
+    torch._dynamo.reset()
+
+    command = COMMAND + (f" --inplace-only --repeats {args.repeats}" if args.inplace_only else "")
+    if args.small:
+        title = "GPT-ref-small vs the anchors"
+    elif args.inplace_only:
+        title = "GPT-ref: planner in place vs the anchors it is held to (CPU)"
+    else:
+        title = "GPT-ref vs the anchors (CPU)"
+    markdown = report(
+        rows,
+        rows[0].step_time_s,
+        title,
+        n_anchors,
+        n_inplace=n_inplace,
+        command=command,
+        inplace_lines=lines,
+    )
     print(markdown)
     if not args.small:
-        write_section(markdown)
+        markers = (
+            (INPLACE_START, INPLACE_END) if args.inplace_only else (SECTION_START, SECTION_END)
+        )
+        write_section(markdown, markers=markers)
         print(f"\nwrote {BENCHMARKS_MD}")
 
 

@@ -33,3 +33,21 @@ def assert_same_step(model, module, example_input, seed: int = 0) -> None:
         assert (ga is None) == (gb is None), name
         if ga is not None:
             assert torch.equal(ga, gb), f"gradient of {name} differs: {(ga - gb).abs().max()}"
+
+
+def assert_same_step_copy(reference, model, example_input, seed: int = 0) -> None:
+    """``model`` (its own parameters, equal in value to ``reference``'s: a copy, or the same
+    weights built again) gives bitwise the loss and every gradient ``reference`` gives."""
+    names = [n for n, p in reference.named_parameters() if p.requires_grad]
+    assert names == [n for n, p in model.named_parameters() if p.requires_grad]
+    loss_a, grads_a = step(reference, example_input, _trained(reference), seed)
+    loss_b, grads_b = step(model, example_input, _trained(model), seed)
+    assert torch.equal(loss_a, loss_b), (loss_a.item(), loss_b.item())
+    for name, ga, gb in zip(names, grads_a, grads_b):
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            assert torch.equal(ga, gb), f"gradient of {name} differs: {(ga - gb).abs().max()}"
+
+
+def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]

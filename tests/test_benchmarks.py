@@ -1,4 +1,6 @@
-from benchmarks.vs_anchors import Row, report, verdicts
+from dataclasses import replace
+
+from benchmarks.vs_anchors import SAC, Row, compile_row_name, inplace_verdicts, report, verdicts
 
 MIB = 2**20
 
@@ -25,3 +27,26 @@ def test_report_adds_the_verdicts_only_with_planner_rows():
     assert "Planner against" not in report(anchors, 1.0, "t")
     text = report([*anchors, row("planner", 100, 20.0)], 1.0, "t", n_anchors=2)
     assert "- every block: planner +20.0% at 100.0 MiB" in text
+
+
+def test_inplace_verdicts_hold_each_row_to_the_issue_targets():
+    compile_half = compile_row_name("inductor", 0.5)
+    anchors = [row("eager", 750, 0.0), row(SAC, 404, 0.0), row(compile_half, 377, 0.8)]
+    anchors[1] = replace(anchors[1], step_time_s=1.2)
+    at_sac = replace(row("in place at SAC", 400, 0.4), step_time_s=1.1)
+    at_compile = row("in place at compile", 370, 0.9)
+    at_half = replace(row("in place at 50%", 370, 5.0), predicted_bytes=int(371 * MIB))
+    lines = inplace_verdicts(anchors, [at_sac, at_compile, at_half], "inductor")
+    assert lines[0].startswith(f"- at {SAC}'s peak:") and lines[0].endswith(": met")
+    assert lines[1].endswith("**missed** (FLOPs)")  # +0.9% > compile's +0.8%
+    assert "+0.27% off measured" in lines[2] and lines[2].endswith(": met")
+    # SAC's step time is a target too, and so is its peak
+    slow = replace(at_sac, step_time_s=1.3, peak_bytes=int(405 * MIB))
+    assert inplace_verdicts(anchors, [slow], "inductor")[0].endswith("**missed** (peak, time)")
+    refused = Row("p", 0, 0, 0.0, 1.0, "-", note="InfeasibleBudgetError: ...")
+    assert "refused" in inplace_verdicts(anchors, [refused], "inductor")[0]
+    text = report([*anchors, at_sac, at_half], 1.0, "t", 3, n_inplace=2, inplace_lines=lines)
+    assert "Planner against" not in text  # no graph rows: no per-anchor verdicts
+    assert "planner in place against the issue's targets:" in text
+    assert "| in place at 50% | 370.00 | 371.00 |" in text  # measured, then predicted
+    assert "| in place at SAC | 400.00 | — |" in text
