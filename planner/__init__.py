@@ -24,12 +24,17 @@ from planner.solvers.errors import (
 
 if TYPE_CHECKING:
     from planner.comparison import Comparison, compare
+    from planner.devices import DeviceProfile
+    from planner.fit_batch import BatchFit, fit_batch
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
     from planner.planning import Plan, apply_plan, plan
 
 # public name -> (module that defines it, its name there)
 _LAZY = {
+    "BatchFit": ("planner.fit_batch", "BatchFit"),
+    "DeviceProfile": ("planner.devices", "DeviceProfile"),
+    "fit_batch": ("planner.fit_batch", "fit_batch"),
     "Comparison": ("planner.comparison", "Comparison"),
     "compare": ("planner.comparison", "compare"),
     "Measurement": ("planner.measurement", "Measurement"),
@@ -51,8 +56,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BatchFit",
     "CaptureError",
     "Comparison",
+    "DeviceProfile",
     "InfeasibleBudgetError",
     "InvalidBudgetError",
     "Measurement",
@@ -63,6 +70,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply_plan",
     "compare",
+    "fit_batch",
     "measure",
     "plan",
 ]

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from planner.devices import DeviceProfile, device_profile
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, region_name, rewrite
@@ -71,6 +72,11 @@ class Plan:
     @property
     def predicted_recompute_time_s(self) -> float:
         return self.simulation.recompute_time_s
+
+    @property
+    def predicted_step_time_s(self) -> float:
+        """Forward + backward + recomputation (+ offload transfers) of one step, in seconds."""
+        return self.simulation.step_time_s
 
     def summary(self, verbose: bool = False) -> str:
         """The regions, what each frees and what its recomputation costs, and the totals.
@@ -141,13 +147,17 @@ def price(
     example_input: Any,
     *,
     loss_fn: LossFn | None = None,
+    device: str | DeviceProfile | None = None,
     on_step: OnStep = _no_progress,
 ) -> PricedModel:
     """Steps 1 and 2 of the pipeline: check the model, capture it, price one training step.
 
+    ``device``: the device whose time to predict, a profile name (``"h100"``, ``"a100-80gb"``,
+    ``"a100-40gb"``, ``"cpu"``) or a ``planner.DeviceProfile``; None: the model's own device.
     Raises ``UnsupportedModelError`` for a model with nothing to train or no loss to
     differentiate (pass ``loss_fn``), ``CaptureError`` when it cannot be captured.
     """
+    profile = None if device is None else device_profile(device)
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModelError(
             f"no parameter of {type(model).__name__} requires grad, so a training step has "
@@ -157,7 +167,17 @@ def price(
     on_step("capture")
     captured = capture(model, example_input)
     on_step("estimate")
-    graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
+    # On the device itself, time the graph's own ops there; elsewhere (the meta device, or a
+    # profile asked for) the roofline with the profile's rates is all there is.
+    on_device = any(p.device.type != "meta" for p in model.parameters())
+    graph = estimate(
+        captured.module,
+        captured.args,
+        captured.kwargs,
+        loss_fn=loss_fn,
+        rates=profile,
+        time_ops=profile is None and on_device,
+    )
     return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
 
 
@@ -168,6 +188,7 @@ def plan(
     solver: str = "auto",
     *,
     loss_fn: LossFn | None = None,
+    device: str | DeviceProfile | None = None,
     **solver_opts: Any,
 ) -> Plan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -175,11 +196,14 @@ def plan(
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
     (parameters and optimizer state), in decimal GB. Raises ``InfeasibleBudgetError`` (with the
-    least feasible budget) when no schedule fits.
+    least feasible budget) when no schedule fits. ``device``: whose step time to predict and
+    minimise (see :func:`price`), e.g. ``"h100"`` for a model built on the meta device.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     get_solver(solver)  # fail on an unknown solver before the slow part
-    priced = price(model, example_input, loss_fn=loss_fn)
+    if device is not None:
+        device = device_profile(device)  # fail on an unknown profile before the slow part
+    priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(budget_bytes, solver, **solver_opts)
 
 
