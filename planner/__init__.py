@@ -23,18 +23,18 @@ from planner.solvers.errors import (
 )
 
 if TYPE_CHECKING:
+    from planner.batch_search import BatchFit, fit_batch
     from planner.comparison import Comparison, compare
     from planner.devices import DeviceProfile
-    from planner.fit_batch import BatchFit, fit_batch
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
     from planner.planning import Plan, apply_plan, plan
 
 # public name -> (module that defines it, its name there)
 _LAZY = {
-    "BatchFit": ("planner.fit_batch", "BatchFit"),
+    "BatchFit": ("planner.batch_search", "BatchFit"),
     "DeviceProfile": ("planner.devices", "DeviceProfile"),
-    "fit_batch": ("planner.fit_batch", "fit_batch"),
+    "fit_batch": ("planner.batch_search", "fit_batch"),
     "Comparison": ("planner.comparison", "Comparison"),
     "compare": ("planner.comparison", "compare"),
     "Measurement": ("planner.measurement", "Measurement"),

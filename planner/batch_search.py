@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from planner.devices import DeviceProfile, device_profile
 from planner.passes.step import LossFn
 from planner.planning import Plan, budget_bytes_from_gb, price
 from planner.report import format_bytes, format_ms
-from planner.solvers.errors import InfeasibleBudgetError, InvalidBudgetError
+from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import get_solver
 
 if TYPE_CHECKING:
@@ -62,7 +62,13 @@ class BatchFit:
     cap_bytes: int
     device: str
     best_batch_size: int
-    plan: Plan = field(repr=False)  # the winner's plan: save() it, or train plan.module
+    # batch size -> its plan, for every row that fits
+    plans: Mapping[int, Plan] = field(repr=False, compare=False)
+
+    @property
+    def plan(self) -> Plan:
+        """The winner's plan: ``save()`` it, or train ``plan.module`` at the winner's batch."""
+        return self.plans[self.best_batch_size]
 
     @property
     def best(self) -> BatchRow:
@@ -213,11 +219,12 @@ def fit_batch(
     sweep = batch_sizes is None
     sizes = list(doubling(1, max_batch_size)) if sweep else sorted(set(batch_sizes or ()))
     if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-        raise InvalidBudgetError(
+        raise ValueError(
             f"batch_sizes must be positive integers, e.g. [1, 2, 4, 8]; got {batch_sizes!r}"
         )
     rows: list[BatchRow] = []
-    best: tuple[float, int, Plan] | None = None
+    plans: dict[int, Plan] = {}
+    best: tuple[float, int] | None = None
     device_name = ""
     for b in sizes:
         priced = price(model, make_input(b), loss_fn=loss_fn, device=profile)
@@ -252,8 +259,9 @@ def fit_batch(
                 **eager,
             )
         )
+        plans[b] = p
         if best is None or samples_per_s > best[0]:
-            best = (samples_per_s, b, p)
+            best = (samples_per_s, b)
     if best is None:
         first, least = rows[0].batch_size, rows[0].least_bytes or 0
         raise InfeasibleBudgetError(
@@ -267,5 +275,5 @@ def fit_batch(
         cap_bytes=cap_bytes,
         device=device_name,
         best_batch_size=best[1],
-        plan=best[2],
+        plans=plans,
     )
