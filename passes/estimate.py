@@ -25,6 +25,7 @@ Sizes are those of the device and dtypes the step really runs with: CPU, CUDA or
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -40,7 +41,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from planner.devices import DeviceProfile, profile_of
-from planner.passes.op_timing import OpCall, call_overhead_s, op_call, time_calls
+from planner.passes.op_timing import (
+    OpCall,
+    call_overhead_s,
+    checkpoint_overhead_s,
+    op_call,
+    time_calls,
+)
 from planner.passes.step import training_loss
 from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
 
@@ -466,7 +473,10 @@ def estimate(
         flops_per_s, bytes_per_s = rates
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
     times = _measured_times(tracker, device, rates) if time_ops else None
-    return _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend, times)
+    graph = _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend, times)
+    if time_ops:
+        graph = dataclasses.replace(graph, region_overhead_s=checkpoint_overhead_s(device))
+    return graph
 
 
 def _measured_times(

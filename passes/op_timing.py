@@ -15,14 +15,16 @@ A call timed alone misses what a training step spends around it: autograd record
 the backward engine scheduling it, Python. On the CPU that is tens of microseconds per call and
 dominates small models, so :func:`call_overhead_s` measures it once per device (a chain of tiny
 ops stepped for real, minus the same calls timed alone) and the estimator adds it per call. On
-CUDA the host runs ahead of the kernels, so it is not added there.
+CUDA the host runs ahead of the kernels, so it is not added there. Likewise each checkpoint
+region costs its own bookkeeping (saved-tensor hooks, RNG state, the recomputation's set-up):
+:func:`checkpoint_overhead_s` measures that once per device.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +140,54 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
 
 
 _OVERHEAD_S: dict[str, float] = {}
+_CHECKPOINT_OVERHEAD_S: dict[str, float] = {}
+
+
+def _median_step_s(step: Callable[[], None], repeats: int) -> float:
+    step()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def checkpoint_overhead_s(device: torch.device, regions: int = 16, repeats: int = 15) -> float:
+    """Seconds one non-reentrant checkpoint region adds to a step beyond recomputing its ops.
+
+    A chain of tiny regions stepped with and without ``torch.utils.checkpoint``; the difference
+    per region, less the tiny recomputation itself. Measured once per process and device; 0 on
+    CUDA, where the host runs ahead of the kernels.
+    """
+    if device.type != "cpu":
+        return 0.0
+    key = str(device)
+    if key in _CHECKPOINT_OVERHEAD_S:
+        return _CHECKPOINT_OVERHEAD_S[key]
+    from torch.utils.checkpoint import checkpoint
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(16, generator=generator, requires_grad=True) for _ in range(regions)]
+    x = torch.randn(4, 16, generator=generator)
+
+    def layer(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(y * w)
+
+    def step(checkpointed: bool) -> None:
+        y = x
+        for w in weights:
+            y = checkpoint(layer, y, w, use_reentrant=False) if checkpointed else layer(y, w)
+        y.sum().backward()
+        for w in weights:
+            w.grad = None
+
+    plain_s = _median_step_s(lambda: step(False), repeats)
+    checkpointed_s = _median_step_s(lambda: step(True), repeats)
+    # the recomputation of each tiny layer is about its forward, a third of its fwd+bwd
+    overhead_s = max(0.0, (checkpointed_s - plain_s * 4 / 3) / regions)
+    _CHECKPOINT_OVERHEAD_S[key] = overhead_s
+    return overhead_s
 
 
 class _Recorder(TorchDispatchMode):
@@ -177,16 +227,11 @@ def call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -
         for p in chain.parameters():
             p.grad = None
 
-    step()  # warm-up
+    step_s = _median_step_s(step, repeats)
     with _Recorder() as recorder:
         step()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - t0)
     alone = time_calls([c for c in recorder.calls if c is not None], device)
     alone_s = sum(alone.get(c.key, 0.0) for c in recorder.calls if c is not None)
-    overhead_s = max(0.0, (statistics.median(samples) - alone_s) / len(recorder.calls))
+    overhead_s = max(0.0, (step_s - alone_s) / len(recorder.calls))
     _OVERHEAD_S[key] = overhead_s
     return overhead_s

@@ -114,6 +114,9 @@ class CostGraph:
     # Host<->device transfer rate that offload regions are charged at.
     offload_bytes_per_s: float = 1e10
     grad_buffers: tuple[GradBuffer, ...] | None = None
+    # What one checkpoint region adds to a step's time beyond recomputing its nodes (measured on
+    # the device by passes/op_timing.py; 0 for roofline prices).
+    region_overhead_s: float = 0.0
     # Module-granular plans (applied in place to the user's own modules): the only node
     # intervals [start, stop) a region may cover, each the ops of one call of one submodule.
     # None: any interval of allowed cuts.

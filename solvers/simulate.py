@@ -59,7 +59,8 @@ class Simulation:
     offload_bytes: int
     offload_time_s: float
     timeline: tuple[tuple[str, int], ...]
-    # Forward + backward (CostGraph.step_time_s) + recompute + offload transfers, unoverlapped.
+    # Forward + backward (CostGraph.step_time_s) + recompute + offload transfers, unoverlapped,
+    # + each region's own bookkeeping (CostGraph.region_overhead_s).
     step_time_s: float = 0.0
 
 
@@ -391,5 +392,8 @@ def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
         offload_bytes=replay.offload_bytes,
         offload_time_s=offload_time_s,
         timeline=tuple(replay.timeline),
-        step_time_s=graph.step_time_s + replay.recompute_time_s + offload_time_s,
+        step_time_s=graph.step_time_s
+        + replay.recompute_time_s
+        + offload_time_s
+        + len(schedule.regions) * graph.region_overhead_s,
     )
