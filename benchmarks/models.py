@@ -121,6 +121,16 @@ def gpt_ref_small_example(seed: int = 0):
     return gpt_example(GPT_REF_SMALL, batch=2, seed=seed)
 
 
+def gpt_ref_for_batch(batch_size: int, seed: int = 0):
+    """GPT-ref at a given batch size (a FACTORY for ``python -m planner fit-batch``)."""
+    return gpt_example(GPT_REF, batch=batch_size, seed=seed)
+
+
+def gpt_ref_small_for_batch(batch_size: int, seed: int = 0):
+    """GPT-ref-small at a given batch size (a FACTORY for ``python -m planner fit-batch``)."""
+    return gpt_example(GPT_REF_SMALL, batch=batch_size, seed=seed)
+
+
 class ResBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()

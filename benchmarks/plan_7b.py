@@ -9,6 +9,12 @@ whole ``plan()``, the predicted peak for no checkpointing, every layer, and the 
 s·b·h·(34 + 5·a·s/h) bytes per layer in half precision.
 
 Run: ``python -m benchmarks.plan_7b`` (``--layers 2`` for a quick look).
+
+``--batch-sweep`` instead draws, for micro-batches 1, 2, 4, ... 64, the predicted peak of no
+checkpointing, checkpointing every layer and planner's plan under an 80 GB cap (``--cap-gb``),
+and the predicted tokens/s of each on the H100 profile (``planner.devices``), as a PNG
+(``--png``) and a printed table. Every figure is a prediction (fake tensors, roofline), not a
+measurement.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import argparse
 import math
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +163,122 @@ def layer_saved_bytes(graph, layer: str) -> tuple[int, int]:
     return total, quadratic
 
 
+def llama_for_batch(batch_size: int, layers: int = 32, seq: int = 4096):
+    """The Llama-7B shape on the meta device at a micro-batch size (a fit-batch FACTORY)."""
+    return llama_example(LlamaConfig(n_layer=layers, seq_len=seq, batch=batch_size))
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    batch: int
+    step: str  # "no checkpointing" | "every layer" | "planner"
+    peak_bytes: int | None  # None: no plan fits the cap
+    step_time_s: float | None
+    tokens_per_s: float | None
+    solver: str = ""
+
+
+def batch_sweep(
+    cfg: LlamaConfig, batches: list[int], cap_bytes: float, device: str = "h100", solver="dp"
+) -> list[SweepRow]:
+    """Predicted peak and tokens/s per micro-batch: no checkpointing, every layer, planner."""
+    from planner.planning import price
+    from planner.solvers.costgraph import Schedule
+    from planner.solvers.errors import InfeasibleBudgetError
+    from planner.solvers.registry import get_solver
+    from planner.solvers.simulate import simulate
+
+    rows = []
+    for b in batches:
+        t0 = time.perf_counter()
+        model, example = llama_example(replace(cfg, batch=b))
+        priced = price(model, example, device=device)
+        graph, tokens = priced.graph, b * cfg.seq_len
+        for step, schedule in (
+            ("no checkpointing", Schedule()),
+            ("every layer", get_solver("uniform")(graph, math.inf)),
+        ):
+            sim = simulate(graph, schedule)
+            rows.append(
+                SweepRow(b, step, sim.peak_bytes, sim.step_time_s, tokens / sim.step_time_s)
+            )
+        try:
+            p = priced.plan(round(cap_bytes), solver)
+            rows.append(
+                SweepRow(
+                    b,
+                    "planner",
+                    p.predicted_peak_bytes,
+                    p.predicted_step_time_s,
+                    tokens / p.predicted_step_time_s,
+                    p.solver,
+                )
+            )
+        except InfeasibleBudgetError:
+            rows.append(SweepRow(b, "planner", None, None, None, solver))
+        print(f"  batch {b}: priced and planned in {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def plot_sweep(rows: list[SweepRow], cap_bytes: float, device: str, title: str):
+    """Predicted peak (left) and tokens/s where the step fits the cap (right) against batch."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    memory, speed = fig.subplots(1, 2)
+    for k, step in enumerate(("no checkpointing", "every layer", "planner")):
+        mine = [r for r in rows if r.step == step and r.peak_bytes is not None]
+        fits = [r for r in mine if r.peak_bytes <= cap_bytes]
+        style = dict(color=f"C{k}", marker="o", label=step)
+        memory.plot([r.batch for r in mine], [r.peak_bytes / 1e9 for r in mine], **style)
+        speed.plot([r.batch for r in fits], [r.tokens_per_s for r in fits], **style)
+    memory.axhline(cap_bytes / 1e9, color="red", lw=1, ls="--", label="cap")
+    memory.set_ylabel("predicted peak of one step (GB)")
+    speed.set_ylabel(f"predicted tokens/s on {device} (fits the cap)")
+    for ax in (memory, speed):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batch size")
+        ax.legend(fontsize=8)
+    fig.suptitle(title + " (predictions)")
+    return fig
+
+
+def sweep_main(args: argparse.Namespace) -> None:
+    cfg = LlamaConfig(n_layer=args.layers, seq_len=args.seq)
+    batches = [int(b) for b in args.batches.split(",")]
+    cap_bytes = args.cap_gb * 1e9
+    print(
+        f"Llama-7B shape ({cfg.n_layer} layers, seq {cfg.seq_len}, bf16, meta device), "
+        f"cap {args.cap_gb:g} GB, times on the {args.device} profile; all figures predicted"
+    )
+    rows = batch_sweep(cfg, batches, cap_bytes, args.device, args.solver)
+    print("\n| micro-batch | step | predicted peak | fits | predicted step time | tokens/s |")
+    print("|---:|---|---:|---|---:|---:|")
+    for r in rows:
+        if r.peak_bytes is None:
+            print(f"| {r.batch} | {r.step} | no plan fits {args.cap_gb:g} GB | no | - | - |")
+            continue
+        fits = "yes" if r.peak_bytes <= cap_bytes else "no"
+        name = f"{r.step} ({r.solver})" if r.solver else r.step
+        print(
+            f"| {r.batch} | {name} | {r.peak_bytes / 1e9:.1f} GB | {fits} "
+            f"| {r.step_time_s:.2f} s | {r.tokens_per_s:,.0f} |"
+        )
+    best = max(
+        (r for r in rows if r.peak_bytes is not None and r.peak_bytes <= cap_bytes),
+        key=lambda r: r.tokens_per_s or 0.0,
+        default=None,
+    )
+    if best is not None:
+        print(
+            f"\nmost tokens/s under {args.cap_gb:g} GB: micro-batch {best.batch}, {best.step}, "
+            f"{best.tokens_per_s:,.0f} tokens/s (predicted)"
+        )
+    title = f"Llama-7B shape, seq {cfg.seq_len}, bf16, cap {args.cap_gb:g} GB"
+    plot_sweep(rows, cap_bytes, args.device, title).savefig(args.png, dpi=120)
+    print(f"wrote {args.png}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -164,7 +286,16 @@ def main() -> None:
     parser.add_argument(
         "--solvers", default="auto,greedy,uniform,sqrt", help="candidates for 'best'"
     )
+    parser.add_argument("--batch-sweep", action="store_true", help="the micro-batch sweep")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="for --batch-sweep")
+    parser.add_argument("--cap-gb", type=float, default=80.0, help="for --batch-sweep")
+    parser.add_argument("--device", default="h100", help="profile for --batch-sweep")
+    parser.add_argument("--solver", default="dp", help="planner's solver for --batch-sweep")
+    parser.add_argument("--png", default="plan_7b_batch_sweep.png", help="for --batch-sweep")
     args = parser.parse_args()
+    if args.batch_sweep:
+        sweep_main(args)
+        return
     cfg = LlamaConfig(n_layer=args.layers, seq_len=args.seq)
 
     import planner

@@ -14,7 +14,7 @@ per node: the storages it allocates (views allocate nothing), who reads them, wh
 autograd saves for backward (``saved_tensors_hooks``), the working memory it needs beyond that
 (forward and backward), the gradient buffers and parameter gradients its backward creates and
 when each dies, FLOPs (``torch.utils.flop_counter`` formulas) and bytes moved (for the roofline
-time, with device rates from :func:`device_rates`). Tags: ``attention`` (S x S outputs, fused
+time, with device rates from ``planner.devices``). Tags: ``attention`` (S x S outputs, fused
 attention), ``skip`` (values read far apart), ``random``, ``inplace``, ``batchnorm``, ``view``.
 
 Sizes are those of the device and dtypes the step really runs with: CPU, CUDA or meta tensors
@@ -25,10 +25,7 @@ Sizes are those of the device and dtypes the step really runs with: CPU, CUDA or
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import platform
-import time
+import dataclasses
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -43,7 +40,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from planner.devices import DeviceProfile, profile_of
 from planner.passes.nodes import module_path, written_arguments
+from planner.passes.op_timing import (
+    OpCall,
+    call_overhead_s,
+    checkpoint_overhead_s,
+    op_call,
+    time_calls,
+)
 from planner.passes.step import training_loss
 from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
 
@@ -93,8 +98,11 @@ def _is_tensor(x: Any) -> bool:
 class _Tracker(TorchDispatchMode):
     """Sees every aten op under the fake mode: new storages, frees, FLOPs, bytes moved."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_calls: bool = False) -> None:
         super().__init__()
+        self.record_calls = record_calls
+        # (phase, node) -> [(the call, or None if it cannot be rebuilt, FLOPs, bytes moved)]
+        self.calls: dict[tuple[str, int], list[tuple[OpCall | None, int, int]]] = defaultdict(list)
         self.live_bytes = 0
         self.peak_bytes = 0
         self.by_key: dict[int, _Storage] = {}
@@ -115,20 +123,22 @@ class _Tracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         where = (self.phase, self.node)
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops[where] += int(formula(*args, **kwargs, out_val=out))
+        flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
+        self.flops[where] += flops
         if func in _SDPA_BACKENDS and self.phase == "fwd":
             self.sdpa_backends.add(_SDPA_BACKENDS[func])
         if torch.Tag.nondeterministic_seeded in func.tags and self.phase == "fwd":
             self.random_nodes.add(self.node)
         if self.phase == "fwd" and self.node >= 0:
             self.note_writes(func, args, kwargs)
+        moved = 0
         if not func.is_view:
             # Roofline traffic: every input read once, every output written once.
             leaves = tree_leaves((args, kwargs, out))
-            self.moved_bytes[where] += sum(
-                t.numel() * t.element_size() for t in leaves if _is_tensor(t)
-            )
+            moved = sum(t.numel() * t.element_size() for t in leaves if _is_tensor(t))
+            self.moved_bytes[where] += moved
+        if self.record_calls:
+            self.calls[where].append((op_call(func, args, kwargs), flops, moved))
         for t in tree_leaves(out):
             if _is_tensor(t):
                 self.track(t)
@@ -368,14 +378,19 @@ def estimate(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     sdpa_backend: str | None = None,
-    rates: tuple[float, float] | None = None,
+    rates: DeviceProfile | tuple[float, float] | None = None,
+    time_ops: bool = False,
 ) -> CostGraph:
     """Price one forward+loss+backward step of ``gm`` on fake tensors (see module docstring).
 
     ``sdpa_backend``: the ``F.scaled_dot_product_attention`` kernel to price ("math", "flash",
     "efficient", "cudnn"); None prices the one the dispatcher picks for these inputs, the
     kernel the real step will use on the same device. ``graph.meta["sdpa_backend"]`` says which.
-    ``rates``: (FLOP/s, bytes/s) for the roofline times; None calibrates the model's device.
+    ``rates``: the device to price time for, a ``planner.devices.DeviceProfile`` (or a
+    (FLOP/s, bytes/s) pair); None prices the model's own device (``devices.profile_of``).
+    ``time_ops``: also run each distinct aten call of the step once on the model's (real) device
+    and price nodes by those timings (``passes/op_timing.py``), the roofline only for calls that
+    cannot run on random tensors; ``Node.fwd_time_s`` / ``bwd_time_s`` then hold them.
     """
     kwargs = kwargs or {}
     nodes = compute_nodes(gm)
@@ -387,7 +402,13 @@ def estimate(
     state.update({k: _to_fake(mode, v) for k, v in gm.named_buffers(remove_duplicate=False)})
     flat = [_to_fake(mode, x) for x in _flatten_inputs(gm, args, kwargs)]
 
-    tracker = _Tracker()
+    device = _device_of(gm, flat)
+    if time_ops and device.type == "meta":
+        raise ValueError(
+            "time_ops needs the model and input on a real device (cpu or cuda), not meta; "
+            "price a meta model by a device profile (rates=...) instead"
+        )
+    tracker = _Tracker(record_calls=time_ops)
     for t in [*state.values(), *flat]:
         tracker.register_external(t)
     step = _Step(gm, tracker, index, mode)
@@ -436,8 +457,34 @@ def estimate(
 
     seq_lens = {d for x in flat if _is_tensor(x) for d in tuple(x.shape)[1:] if d > 1}
     if rates is None:
-        rates = device_rates(_device_of(gm, flat))
-    return _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend)
+        rates = profile_of(device)
+    elif not isinstance(rates, DeviceProfile):
+        flops_per_s, bytes_per_s = rates
+        rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
+    times = _measured_times(tracker, device, rates) if time_ops else None
+    graph = _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend, times)
+    if time_ops:
+        graph = dataclasses.replace(graph, region_overhead_s=checkpoint_overhead_s(device))
+    return graph
+
+
+def _measured_times(
+    tracker: _Tracker, device: torch.device, rates: DeviceProfile
+) -> dict[tuple[str, int], float]:
+    """Seconds per (phase, node): its aten calls timed on ``device`` (the roofline for those
+    that cannot run alone), plus the step's own overhead per call (``op_timing`` docstring)."""
+    calls = [call for recorded in tracker.calls.values() for call, _, _ in recorded if call]
+    measured = time_calls(calls, device)
+    overhead_s = call_overhead_s(device)
+    times: dict[tuple[str, int], float] = {}
+    for where, recorded in tracker.calls.items():
+        times[where] = len(recorded) * overhead_s + sum(
+            measured[call.key]
+            if call is not None and call.key in measured
+            else max(flops / rates.flops_per_s, moved / rates.bytes_per_s)
+            for call, flops, moved in recorded
+        )
+    return times
 
 
 def _build(
@@ -447,8 +494,9 @@ def _build(
     bwd: dict[int, _Segment],
     loss_seg: _Segment,
     seq_lens: set[int],
-    rates: tuple[float, float],
+    rates: DeviceProfile,
     sdpa_backend: str | None,
+    times: dict[tuple[str, int], float] | None,
 ) -> CostGraph:
     index = {n: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
@@ -495,9 +543,16 @@ def _build(
                 tags=frozenset(tags),
                 state_bytes=sum(tracker.state_written.get(i, {}).values()),
                 saves_for_backward=i in tracker.allocated_at_last_save,
+                fwd_time_s=None if times is None else times.get(("fwd", i), 0.0),
+                bwd_time_s=None if times is None else times.get(("bwd", i), 0.0),
             )
         )
-    meta = {"estimator": "fake tensors", "rates": f"{rates[0]:.3g} FLOP/s, {rates[1]:.3g} B/s"}
+    meta = {
+        "estimator": "fake tensors",
+        "device": rates.name,
+        "rates": f"{rates.flops_per_s:.3g} FLOP/s, {rates.bytes_per_s:.3g} B/s",
+        "timing": "roofline" if times is None else "measured ops",
+    }
     if tracker.sdpa_backends or sdpa_backend:
         # Which fused-attention kernel the prices assume: math materialises the S x S scores,
         # flash / memory-efficient keep only the output and a log-sum-exp per row.
@@ -505,8 +560,9 @@ def _build(
     return CostGraph(
         nodes=tuple(out_nodes),
         tensors=tuple(tensors),
-        flops_per_s=rates[0],
-        bytes_per_s=rates[1],
+        flops_per_s=rates.flops_per_s,
+        bytes_per_s=rates.bytes_per_s,
+        offload_bytes_per_s=rates.host_bytes_per_s,
         grad_buffers=tuple(buffers),
         meta=meta,
     )
@@ -616,83 +672,3 @@ def _device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
         if _is_tensor(t):
             return t.device
     return torch.device("cpu")
-
-
-# Peak rates of known GPUs (dense bf16 tensor-core FLOP/s, HBM bytes/s), derated to what eager
-# PyTorch kernels typically reach; the meta device (planning without hardware) assumes an A100.
-_KNOWN_GPUS = {
-    "H100": (989e12, 3.35e12),
-    "A100": (312e12, 2.0e12),
-    "A10": (125e12, 0.6e12),
-    "L4": (121e12, 0.3e12),
-    "V100": (125e12, 0.9e12),
-    "T4": (65e12, 0.32e12),
-    "4090": (165e12, 1.0e12),
-}
-_DERATE = 0.6
-_RATES: dict[str, tuple[float, float]] = {}
-RATES_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "ckpt-planner", "rates.json")
-
-
-def device_rates(device: torch.device) -> tuple[float, float]:
-    """(FLOP/s, bytes/s) for the roofline runtime estimate of ``device``.
-
-    Known GPUs from a table; the meta device as an A100; anything else (the CPU, an unknown
-    GPU) measured once by a short microbenchmark (a matmul and a large add) and cached on disk.
-    """
-    if device.type == "meta":
-        return tuple(r * _DERATE for r in _KNOWN_GPUS["A100"])  # type: ignore[return-value]
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, rates in _KNOWN_GPUS.items():
-            if key in name:
-                return tuple(r * _DERATE for r in rates)  # type: ignore[return-value]
-    else:
-        name = f"{platform.machine()}:{platform.processor()}:{torch.get_num_threads()} threads"
-    key = f"{device.type}:{name}"
-    if key not in _RATES:
-        _RATES[key] = _cached_rates(key, device)
-    return _RATES[key]
-
-
-def _cached_rates(key: str, device: torch.device) -> tuple[float, float]:
-    try:
-        with open(RATES_CACHE) as f:
-            cached = json.load(f)
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return tuple(cached[key])  # type: ignore[return-value]
-    rates = _microbenchmark(device)
-    cached[key] = list(rates)
-    try:
-        os.makedirs(os.path.dirname(RATES_CACHE), exist_ok=True)
-        with open(RATES_CACHE, "w") as f:
-            json.dump(cached, f, indent=1)
-    except OSError:
-        pass  # a read-only home: measure again next time
-    return rates
-
-
-def _microbenchmark(device: torch.device, repeats: int = 5) -> tuple[float, float]:
-    def best_s(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    with torch.no_grad():
-        n = 1024
-        a = torch.randn(n, n, device=device)
-        flops_per_s = 2 * n**3 / best_s(lambda: a @ a)
-        x = torch.randn(8 * 2**20, device=device)  # 32 MiB: beyond the caches
-        out = torch.empty_like(x)
-        bytes_per_s = 2 * x.nbytes / best_s(lambda: torch.add(x, 1.0, out=out))
-    return flops_per_s, bytes_per_s

@@ -23,7 +23,9 @@ from planner.solvers.errors import (
 )
 
 if TYPE_CHECKING:
+    from planner.batch_search import BatchFit, fit_batch
     from planner.comparison import Comparison, compare
+    from planner.devices import DeviceProfile
     from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
 
 # public name -> (module that defines it, its name there)
 _LAZY = {
+    "BatchFit": ("planner.batch_search", "BatchFit"),
+    "DeviceProfile": ("planner.devices", "DeviceProfile"),
+    "fit_batch": ("planner.batch_search", "fit_batch"),
     "Comparison": ("planner.comparison", "Comparison"),
     "compare": ("planner.comparison", "compare"),
     "Measurement": ("planner.measurement", "Measurement"),
@@ -54,8 +59,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BatchFit",
     "CaptureError",
     "Comparison",
+    "DeviceProfile",
     "InfeasibleBudgetError",
     "InplacePlan",
     "InvalidBudgetError",
@@ -67,6 +74,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply_plan",
     "compare",
+    "fit_batch",
     "measure",
     "plan",
     "remove",

@@ -1,8 +1,9 @@
-"""The command line: ``python -m planner plan|compare|solvers``.
+"""The command line: ``python -m planner plan|compare|fit-batch|solvers``.
 
 python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
 python -m planner plan mymodels:ResNet --input-shape 32,3,224,224 --budget 2GB
 python -m planner compare benchmarks.models:unet_example --budgets 0.5GB,1GB --measure
+python -m planner fit-batch benchmarks.plan_7b:llama_for_batch --budget 80GB --device h100
 
 torch and planner's modules are imported inside the commands, not here, so that ``--help`` and
 usage errors answer at once (no import cycle hides behind them).
@@ -56,6 +57,7 @@ examples:
   python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
   python -m planner plan mymodels.py:Net --input-shape 32,3,64,64 --budget 1GB --solver dp
   python -m planner compare benchmarks.models:gpt_ref_small_example --budgets 60%,30% --measure
+  python -m planner fit-batch benchmarks.models:gpt_ref_small_for_batch --budget 20MB
   python -m planner solvers
 
 In a training script, re-apply a saved plan without solving again:
@@ -152,15 +154,7 @@ def build_example(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     factory = load_callable(args.model)
-    try:
-        kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
-    except json.JSONDecodeError as e:
-        raise UsageError(
-            f"--factory-kwargs must be a JSON object, e.g. '{{\"batch\": 2}}': {e}"
-        ) from None
-    if not isinstance(kwargs, dict):
-        raise UsageError("--factory-kwargs must be a JSON object, e.g. '{\"batch\": 2}'")
-    made = factory(**kwargs)
+    made = factory(**_factory_kwargs(args))
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
         model, example_input = made
         if args.input_shape:
@@ -326,6 +320,95 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+FIT_BATCH_DESCRIPTION = """\
+For each micro-batch size (1, 2, 4, ... until even the least-memory plan no longer fits, or
+--batch-sizes), find the fastest checkpoint plan whose step fits --budget and predict its peak,
+step time and samples/s; print the table and the winner.
+
+MODEL is MODULE:FACTORY where FACTORY(batch_size) (plus --factory-kwargs) returns a
+(model, example_input) tuple whose input has that batch size, e.g.
+benchmarks.models:gpt_ref_small_for_batch or benchmarks.plan_7b:llama_for_batch. The model of
+the first call is planned; the later calls only supply inputs.
+
+--device says whose time to predict: cpu (default) or cuda runs the model there and times its
+own ops on it; a profile name (h100, a100-80gb, a100-40gb) predicts for that GPU without one,
+by its roofline (build the model on the meta device in FACTORY to plan a large one on a laptop).
+Every figure printed is a prediction.
+"""
+
+
+def cmd_fit_batch(args: argparse.Namespace) -> int:
+    import torch
+
+    from planner.batch_search import fit_batch
+    from planner.devices import PROFILES
+
+    kind, value = parse_budget(args.budget)
+    if kind == "fraction":
+        raise UsageError("fit-batch needs an absolute --budget, e.g. 80GB or 512MiB, not a %")
+    factory = load_callable(args.model)
+    kwargs = _factory_kwargs(args)
+    sizes = None
+    if args.batch_sizes:
+        try:
+            sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+        except ValueError:
+            raise UsageError(
+                f"cannot read --batch-sizes {args.batch_sizes!r}; e.g. 1,2,4,8"
+            ) from None
+    profile = args.device.lower() if args.device.lower() in PROFILES else None
+    place = None if profile else torch.device(args.device)
+
+    def call(batch_size: int) -> tuple[torch.nn.Module, Any]:
+        made = factory(batch_size, **kwargs)
+        if not (
+            isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)
+        ):
+            raise UsageError(
+                f"{args.model}({batch_size}) returned {type(made).__name__}; for fit-batch, "
+                f"FACTORY takes the batch size and returns a (model, example_input) tuple"
+            )
+        model, example_input = made
+        return (
+            (model, example_input)
+            if place is None
+            else (model.to(place), _to(example_input, place))
+        )
+
+    model, _ = call(sizes[0] if sizes else 1)
+    loss_fn = load_callable(args.loss, "--loss") if args.loss else None
+    fit = fit_batch(
+        model,
+        lambda batch_size: call(batch_size)[1],
+        value / 1e9,
+        batch_sizes=sizes,
+        solver=args.solver,
+        device=profile,
+        loss_fn=loss_fn,
+    )
+    out = _console()
+    out.print(fit)
+    if args.plot:
+        fit.plot().savefig(args.plot, dpi=120)
+        out.print(f"wrote {args.plot}", highlight=False)
+    if args.out:
+        fit.plan.save(args.out)
+        out.print(f"wrote the plan for batch {fit.best_batch_size} to {args.out}", highlight=False)
+    return 0
+
+
+def _factory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise UsageError(
+            f"--factory-kwargs must be a JSON object, e.g. '{{\"batch\": 2}}': {e}"
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise UsageError("--factory-kwargs must be a JSON object, e.g. '{\"batch\": 2}'")
+    return kwargs
+
+
 def cmd_solvers(args: argparse.Namespace) -> int:
     from planner.comparison import solver_names
     from planner.solvers.registry import SOLVERS
@@ -336,28 +419,32 @@ def cmd_solvers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_arguments(sub: argparse.ArgumentParser) -> None:
+def _model_arguments(sub: argparse.ArgumentParser, example_flags: bool = True) -> None:
+    """MODEL and what every model command takes; ``example_flags``: the input-shape flags, for
+    commands whose FACTORY may return a model alone (not fit-batch's)."""
     sub.add_argument("model", metavar="MODEL", help="MODULE:FACTORY, see above")
-    group = sub.add_argument_group("example input (when FACTORY returns only a model)")
-    group.add_argument(
-        "--input-shape",
-        action="append",
-        metavar="SHAPE",
-        help="shape of one input tensor, e.g. 8,3,32,32; repeat for several positional inputs",
-    )
-    group.add_argument(
-        "--input-dtype",
-        action="append",
-        metavar="DTYPE",
-        help="torch dtype of the inputs (default float32); one for all, or one per --input-shape",
-    )
-    group.add_argument(
-        "--input-high",
-        type=int,
-        default=2,
-        metavar="N",
-        help="integer inputs (token ids) are drawn from [0, N); default 2",
-    )
+    if example_flags:
+        group = sub.add_argument_group("example input (when FACTORY returns only a model)")
+        group.add_argument(
+            "--input-shape",
+            action="append",
+            metavar="SHAPE",
+            help="shape of one input tensor, e.g. 8,3,32,32; repeat for several positional inputs",
+        )
+        group.add_argument(
+            "--input-dtype",
+            action="append",
+            metavar="DTYPE",
+            help="torch dtype of the inputs (default float32); one for all, or one per "
+            "--input-shape",
+        )
+        group.add_argument(
+            "--input-high",
+            type=int,
+            default=2,
+            metavar="N",
+            help="integer inputs (token ids) are drawn from [0, N); default 2",
+        )
     sub.add_argument(
         "--factory-kwargs",
         metavar="JSON",
@@ -369,7 +456,15 @@ def _model_arguments(sub: argparse.ArgumentParser) -> None:
         help="the loss of one training step: FUNCTION(model output) -> scalar tensor (default: "
         "the output's .loss, else the sum of its floating outputs)",
     )
-    sub.add_argument("--device", default="cpu", help="device to plan on: cpu (default) or cuda")
+    if example_flags:
+        sub.add_argument("--device", default="cpu", help="device to plan on: cpu (default) or cuda")
+    else:
+        sub.add_argument(
+            "--device",
+            default="cpu",
+            help="cpu (default) or cuda: run the model there and time its ops; h100, a100-80gb "
+            "or a100-40gb: predict for that GPU by its profile",
+        )
     sub.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
@@ -435,6 +530,21 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--markdown", metavar="MD", help="also write the table as markdown here")
     cmp.add_argument("--plot", metavar="PNG", help="save the memory/recompute Pareto plot here")
     cmp.set_defaults(run=cmd_compare)
+
+    fit = commands.add_parser(
+        "fit-batch",
+        help="the micro-batch size that trains fastest under a memory cap (predicted)",
+        description=FIT_BATCH_DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _model_arguments(fit, example_flags=False)
+    fit.add_argument("--budget", required=True, help="the cap on one step's peak: 80GB, 512MiB")
+    fit.add_argument("--batch-sizes", metavar="B,B,...", help="sizes to try (default 1, 2, 4, ...)")
+    fit.add_argument("--solver", default="auto", help="solver per batch size (default auto)")
+    fit.add_argument("--plot", metavar="PNG", help="save samples/s and peak against batch size")
+    fit.add_argument("--out", metavar="PLAN.json", help="save the winner's plan here")
+    fit.set_defaults(run=cmd_fit_batch)
 
     solvers = commands.add_parser("solvers", help="list the solvers and what each does")
     solvers.set_defaults(run=cmd_solvers)

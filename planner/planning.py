@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from planner.devices import DeviceProfile, device_profile
 from planner.inplace import InplacePlan, apply_plan_file, plan_inplace
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
@@ -88,6 +89,11 @@ class Plan:
             "a graph plan is carried out by p.module (a GraphModule), not on the model's own "
             "modules; plan with planner.plan(..., form='inplace') to apply a plan in place"
         )
+
+    @property
+    def predicted_step_time_s(self) -> float:
+        """Forward + backward + recomputation (+ offload transfers) of one step, in seconds."""
+        return self.simulation.step_time_s
 
     def summary(self, verbose: bool = False) -> str:
         """The regions, what each frees and what its recomputation costs, and the totals.
@@ -182,18 +188,32 @@ def price(
     example_input: Any,
     *,
     loss_fn: LossFn | None = None,
+    device: str | DeviceProfile | None = None,
     on_step: OnStep = _no_progress,
 ) -> PricedModel:
     """Steps 1 and 2 of the pipeline: check the model, capture it, price one training step.
 
+    ``device``: the device whose time to predict, a profile name (``"h100"``, ``"a100-80gb"``,
+    ``"a100-40gb"``, ``"cpu"``) or a ``planner.DeviceProfile``; None: the model's own device.
     Raises ``UnsupportedModelError`` for a model with nothing to train or no loss to
     differentiate (pass ``loss_fn``), ``CaptureError`` when it cannot be captured.
     """
+    profile = None if device is None else device_profile(device)
     check_trainable(model)
     on_step("capture")
     captured = capture(model, example_input)
     on_step("estimate")
-    graph = estimate(captured.module, captured.args, captured.kwargs, loss_fn=loss_fn)
+    # On the device itself, time the graph's own ops there; elsewhere (the meta device, or a
+    # profile asked for) the roofline with the profile's rates is all there is.
+    on_device = any(p.device.type != "meta" for p in model.parameters())
+    graph = estimate(
+        captured.module,
+        captured.args,
+        captured.kwargs,
+        loss_fn=loss_fn,
+        rates=profile,
+        time_ops=profile is None and on_device,
+    )
     return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
 
 
@@ -205,6 +225,7 @@ def plan(
     *,
     loss_fn: LossFn | None = None,
     form: str = "graph",
+    device: str | DeviceProfile | None = None,
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -216,16 +237,19 @@ def plan(
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
     (parameters and optimizer state), in decimal GB. Raises ``InfeasibleBudgetError`` (with the
-    least feasible budget) when no schedule fits.
+    least feasible budget) when no schedule fits. ``device``: whose step time to predict and
+    minimise (see :func:`price`), e.g. ``"h100"`` for a model built on the meta device.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     get_solver(solver)  # fail on an unknown solver before the slow part
+    if device is not None:
+        device = device_profile(device)  # fail on an unknown profile before the slow part
     if form == "inplace":
         check_trainable(model)
         return plan_inplace(model, example_input, budget_bytes, solver, loss_fn, **solver_opts)
-    priced = price(model, example_input, loss_fn=loss_fn)
+    priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(budget_bytes, solver, **solver_opts)
 
 

@@ -144,6 +144,10 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         f"recompute {format_flops(sim.recompute_flops, unit)} "
         f"(+{sim.recompute_flops / step_flops:.1%} of the step's FLOPs), about "
         f"{format_ms(sim.recompute_time_s)} estimated",
+        f"predicted step time {format_ms(sim.step_time_s)}: forward+backward "
+        f"{format_ms(graph.step_time_s)} + recompute {format_ms(sim.recompute_time_s)}"
+        + (f" + offload {format_ms(sim.offload_time_s)}" if sim.offload_bytes else "")
+        + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
     if plan.regions:
         lines.append(

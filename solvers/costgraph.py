@@ -12,6 +12,7 @@ mask it saves), and one storage may be saved for backward by several nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 RegionKind = Literal["recompute", "selective", "offload"]
@@ -46,6 +47,10 @@ class Node:
     tags: frozenset[str] = frozenset()
     state_bytes: int = 0
     saves_for_backward: bool = False
+    # Measured runtimes of the node's forward / backward on the device (passes/op_timing.py);
+    # None: priced by the roofline.
+    fwd_time_s: float | None = None
+    bwd_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,9 @@ class CostGraph:
     # Host<->device transfer rate that offload regions are charged at.
     offload_bytes_per_s: float = 1e10
     grad_buffers: tuple[GradBuffer, ...] | None = None
+    # What one checkpoint region adds to a step's time beyond recomputing its nodes (measured on
+    # the device by passes/op_timing.py; 0 for roofline prices).
+    region_overhead_s: float = 0.0
     # Module-granular plans (applied in place to the user's own modules): the only node
     # intervals [start, stop) a region may cover, each the ops of one call of one submodule.
     # None: any interval of allowed cuts.
@@ -119,11 +127,22 @@ class CostGraph:
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def node_time_s(self, i: int, backward: bool = False) -> float:
-        """Roofline runtime estimate of node ``i``'s forward (or backward)."""
+        """Runtime of node ``i``'s forward (or backward): measured when the node carries a
+        measurement, else the roofline max(FLOPs / FLOP rate, bytes moved / bandwidth)."""
         n = self.nodes[i]
+        measured = n.bwd_time_s if backward else n.fwd_time_s
+        if measured is not None:
+            return measured
         flops = n.bwd_flops if backward else n.fwd_flops
         moved = n.bwd_bytes_accessed if backward else n.fwd_bytes_accessed
         return max(flops / self.flops_per_s, moved / self.bytes_per_s)
+
+    @cached_property
+    def step_time_s(self) -> float:
+        """Runtime estimate of one forward+backward step without recomputation."""
+        return sum(
+            self.node_time_s(i) + self.node_time_s(i, backward=True) for i in range(len(self.nodes))
+        )
 
     @property
     def fwd_flops(self) -> int:

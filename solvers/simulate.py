@@ -73,6 +73,9 @@ class Simulation:
     offload_bytes: int
     offload_time_s: float
     timeline: tuple[tuple[str, int], ...]
+    # Forward + backward (CostGraph.step_time_s) + recompute + offload transfers, unoverlapped,
+    # + each region's own bookkeeping (CostGraph.region_overhead_s).
+    step_time_s: float = 0.0
 
 
 class InvalidScheduleError(ValueError):
@@ -463,12 +466,17 @@ def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
     replay.forward(ROOT, "fwd")
     replay._release_at(ROOT, ("backward_start",))
     replay.backward(ROOT)
+    offload_time_s = 2 * replay.offload_bytes / graph.offload_bytes_per_s
     return Simulation(
         peak_bytes=replay.peak_bytes,
         peak_event=replay.peak_event,
         recompute_flops=replay.recompute_flops,
         recompute_time_s=replay.recompute_time_s,
         offload_bytes=replay.offload_bytes,
-        offload_time_s=2 * replay.offload_bytes / graph.offload_bytes_per_s,
+        offload_time_s=offload_time_s,
         timeline=tuple(replay.timeline),
+        step_time_s=graph.step_time_s
+        + replay.recompute_time_s
+        + offload_time_s
+        + len(schedule.regions) * graph.region_overhead_s,
     )

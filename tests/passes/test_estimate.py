@@ -264,7 +264,7 @@ def test_sdpa_backend_priced_as_run(backend):
 
 
 def test_roofline_rates_calibrated_and_used():
-    from planner.passes.estimate import device_rates
+    from planner.devices import device_rates
 
     model, x = gpt_ref_small_example()
     _, graph = _estimate(model, x)

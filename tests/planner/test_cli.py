@@ -280,3 +280,29 @@ def test_loss_must_name_a_function(complex_net, capsys):
         main(["plan", f"{complex_net}:build", "--budget", "1GB", "--loss", "nolosshere"])
     assert info.value.code == 2
     assert "--loss must be MODULE:FUNCTION" in capsys.readouterr().err
+
+
+def test_fit_batch_prints_the_sweep_and_saves_the_winner(tmp_path, capsys):
+    out_path = tmp_path / "plan.json"
+    argv = ["fit-batch", "benchmarks.models:gpt_ref_small_for_batch", "--budget", "100GB"]
+    argv += ["--batch-sizes", "1,2", "--device", "h100", "--out", str(out_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "planner.fit_batch" in out and "device h100 (roofline)" in out
+    assert "best: batch 2" in out  # nothing to recompute under 100 GB: the larger batch wins
+    assert json.loads(out_path.read_text())["regions"] == []
+
+
+def test_fit_batch_refuses_a_percentage_and_a_factory_without_input(tmp_path, capsys):
+    argv = ["fit-batch", "benchmarks.models:gpt_ref_small_for_batch", "--budget", "50%"]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and "absolute --budget" in capsys.readouterr().err
+    source = tmp_path / "only_model.py"
+    source.write_text("import torch\ndef build(batch_size):\n    return torch.nn.Linear(2, 2)\n")
+    with pytest.raises(SystemExit) as info:
+        main(["fit-batch", f"{source}:build", "--budget", "1GB"])
+    assert info.value.code == 2
+    assert "FACTORY takes the batch size and returns a (model, example_input)" in (
+        capsys.readouterr().err
+    )

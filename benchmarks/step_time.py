@@ -1,0 +1,119 @@
+"""Predicted vs measured step time, for every solver's plan at three budgets.
+
+    python -m benchmarks.step_time [--models gpt-ref-small,llama] [--fractions 0.8,0.5,0.3]
+                                   [--repeats 7] [--threads 1]
+
+Each model is priced once on this machine's CPU (``planner.planning.price``: its own ops timed
+here, ``passes/op_timing.py``); every solver plans it at each budget (a fraction of the predicted
+eager peak). Every plan's training step is then measured with ``planner.measure``, round-robin
+across the plans (one timed step each per round, ``--repeats`` rounds) so that a busy machine
+slows all of them alike, and the median is compared with ``Plan.predicted_step_time_s``.
+Times on a shared machine are noisy; say so when you quote them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import planner
+from benchmarks.models import gpt_example, gpt_ref_example, gpt_ref_small_example
+from planner.comparison import solver_names
+from planner.planning import price
+from planner.solvers.errors import InfeasibleBudgetError
+
+
+def _llama():
+    from tests.models_zoo import llama_example
+
+    return llama_example()
+
+
+def _sdpa():
+    from benchmarks.models import GPTConfig
+
+    return gpt_example(GPTConfig(n_layer=4, d_model=128, seq_len=128, attention="sdpa"), batch=4)
+
+
+def _unet():
+    from benchmarks.models import unet_example
+
+    return unet_example(batch=2, size=32)
+
+
+MODELS = {
+    "gpt-ref-small": gpt_ref_small_example,
+    "gpt-ref": gpt_ref_example,
+    "llama": _llama,
+    "sdpa": _sdpa,
+    "unet": _unet,
+}
+
+
+def run(name: str, fractions: list[float], repeats: int) -> list[float]:
+    """Print one model's table; return |predicted/measured - 1| of every plan."""
+    model, example = MODELS[name]()
+    t0 = time.perf_counter()
+    priced = price(model, example)
+    price_s = time.perf_counter() - t0
+    plans = {}
+    for fraction in fractions:
+        budget = int(fraction * priced.eager_peak_bytes)
+        for solver in solver_names():
+            try:
+                p = priced.plan(budget, solver)
+            except (InfeasibleBudgetError, ValueError):
+                continue
+            plans[(solver, fraction)] = p
+    samples: dict[tuple[str, float], list[float]] = {key: [] for key in plans}
+    eager_samples: list[float] = []
+    for k in range(repeats):
+        warmup = 1 if k == 0 else 0
+        eager_samples.append(planner.measure(model, example, warmup=warmup).step_time_s)
+        for key, p in plans.items():
+            samples[key].append(planner.measure(p.module, example, warmup=warmup).step_time_s)
+    eager_s = statistics.median(eager_samples)
+    print(
+        f"\n## {name}: priced in {price_s:.1f} s ({priced.graph.meta.get('timing')}); eager "
+        f"measured {eager_s * 1e3:.2f} ms, predicted {priced.graph.step_time_s * 1e3:.2f} ms "
+        f"({priced.graph.step_time_s / eager_s - 1:+.1%})\n"
+    )
+    print("| solver | budget | regions | predicted peak | predicted step | measured step | error |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    errors = [abs(priced.graph.step_time_s / eager_s - 1)]
+    for (solver, fraction), p in plans.items():
+        measured_s = statistics.median(samples[(solver, fraction)])
+        error = p.predicted_step_time_s / measured_s - 1
+        errors.append(abs(error))
+        print(
+            f"| {p.solver} | {fraction:.0%} | {len(p.regions)} "
+            f"| {p.predicted_peak_bytes / 2**20:.2f} MiB | {p.predicted_step_time_s * 1e3:.2f} ms "
+            f"| {measured_s * 1e3:.2f} ms | {error:+.1%} |"
+        )
+    return errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt-ref-small,llama")
+    parser.add_argument("--fractions", default="0.8,0.5,0.3")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"CPU, {torch.get_num_threads()} threads, median of {args.repeats} interleaved steps")
+    fractions = [float(f) for f in args.fractions.split(",")]
+    errors: list[float] = []
+    for name in args.models.split(","):
+        errors += run(name, fractions, args.repeats)
+    within = sum(e <= 0.10 for e in errors)
+    worst = max(errors)
+    print(f"\n{within} of {len(errors)} predictions within 10% of measured; worst {worst:.1%}")
+
+
+if __name__ == "__main__":
+    main()

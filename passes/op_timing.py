@@ -1,0 +1,237 @@
+"""Op timing: run the graph's own aten ops once on the real device and time them.
+
+In: the aten calls ``passes/estimate.py`` saw during its fake run (:class:`OpCall`: the op and its
+arguments, tensors reduced to shape, stride and dtype). Out: seconds per call, measured on
+random tensors of those shapes on the device, as Rockmate prices its graph. Identical calls
+(the same op on the same shapes, as in every block of a transformer) are timed once per process
+and share one figure, so identical blocks get identical prices.
+
+Why measure instead of the roofline: on a real device the roofline misses what dominates eager
+kernels below their peak (small matmuls, pointwise ops that fit in cache, launch and dispatch
+overhead). A call that cannot run on random tensors (a data-dependent op) is left out of the
+result, and the estimator prices it by the roofline instead.
+
+A call timed alone misses what a training step spends around it: autograd recording the call,
+the backward engine scheduling it, Python. On the CPU that is tens of microseconds per call and
+dominates small models, so :func:`call_overhead_s` measures it once per device (a chain of tiny
+ops stepped for real, minus the same calls timed alone) and the estimator adds it per call. On
+CUDA the host runs ahead of the kernels, so it is not added there. Likewise each checkpoint
+region costs its own bookkeeping (saved-tensor hooks, RNG state, the recomputation's set-up):
+:func:`checkpoint_overhead_s` measures that once per device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One aten call with its tensors reduced to :class:`TensorSpec` (hashable: the cache key)."""
+
+    op: Any  # torch._ops.OpOverload
+    leaves: tuple[Any, ...]
+    spec: TreeSpec  # how to rebuild (args, kwargs) from the leaves
+
+    @property
+    def key(self) -> tuple[str, str, tuple[Any, ...]]:
+        return (str(self.op), str(self.spec), self.leaves)
+
+
+def op_call(op: Any, args: tuple, kwargs: dict) -> OpCall | None:
+    """The call of ``op`` on these (fake) arguments; None when one cannot be rebuilt."""
+    leaves, spec = tree_flatten((args, kwargs))
+    out: list[Any] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append(TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype))
+        elif x is None or isinstance(
+            x, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+        ):
+            out.append(x)
+        else:
+            return None  # a generator, a symbolic size...: price it by the roofline
+    return OpCall(op, tuple(out), spec)
+
+
+# (device, OpCall.key) -> seconds, or None for a call that would not run on random tensors
+_TIMES: dict[tuple[str, tuple], float | None] = {}
+# A call is repeated until the timed stretch lasts this long, so the clock's resolution and
+# Python's own overhead do not swamp microsecond kernels.
+MIN_STRETCH_S = 1e-3
+
+
+def time_calls(
+    calls: Iterable[OpCall], device: torch.device, repeats: int = 5
+) -> dict[tuple, float]:
+    """Median seconds per call of each distinct call, measured on ``device`` (see docstring)."""
+    times: dict[tuple, float] = {}
+    for call in calls:
+        key = call.key
+        if key in times:
+            continue
+        cache_key = (str(device), key)
+        if cache_key not in _TIMES:
+            _TIMES[cache_key] = _time_call(call, device, repeats)
+        if _TIMES[cache_key] is not None:
+            times[key] = _TIMES[cache_key]  # type: ignore[assignment]
+    return times
+
+
+def _real(x: Any, device: torch.device, generator: torch.Generator) -> Any:
+    if not isinstance(x, TensorSpec):
+        return x if not isinstance(x, torch.device) else device
+    size = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride)) if all(x.shape) else 0
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        flat = torch.randn(size, generator=generator).to(device=device, dtype=x.dtype)
+    elif x.dtype == torch.bool:
+        flat = torch.rand(size, generator=generator).lt(0.5).to(device)
+    else:
+        flat = torch.zeros(size, dtype=x.dtype, device=device)  # valid indices, class 0
+    return flat.as_strided(x.shape, x.stride)
+
+
+def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None:
+    generator = torch.Generator().manual_seed(0)
+    leaves = [_real(x, device, generator) for x in call.leaves]
+    args, kwargs = tree_unflatten(leaves, call.spec)
+
+    def run() -> None:
+        call.op(*args, **kwargs)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        with torch.no_grad():
+            run()  # warm-up: lazy initialisation, allocator growth
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            once_s = time.perf_counter() - t0
+            n = max(1, int(MIN_STRETCH_S / max(once_s, 1e-7)))
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    run()
+                sync()
+                samples.append((time.perf_counter() - t0) / n)
+    except Exception:  # any failure means: price this call by the roofline
+        return None
+    return statistics.median(samples)
+
+
+_OVERHEAD_S: dict[str, float] = {}
+_CHECKPOINT_OVERHEAD_S: dict[str, float] = {}
+
+
+def _median_step_s(step: Callable[[], None], repeats: int) -> float:
+    step()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def checkpoint_overhead_s(device: torch.device, regions: int = 16, repeats: int = 15) -> float:
+    """Seconds one non-reentrant checkpoint region adds to a step beyond recomputing its ops.
+
+    A chain of tiny regions stepped with and without ``torch.utils.checkpoint``; the difference
+    per region, less the tiny recomputation itself. Measured once per process and device; 0 on
+    CUDA, where the host runs ahead of the kernels.
+    """
+    if device.type != "cpu":
+        return 0.0
+    key = str(device)
+    if key in _CHECKPOINT_OVERHEAD_S:
+        return _CHECKPOINT_OVERHEAD_S[key]
+    from torch.utils.checkpoint import checkpoint
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(16, generator=generator, requires_grad=True) for _ in range(regions)]
+    x = torch.randn(4, 16, generator=generator)
+
+    def layer(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(y * w)
+
+    def step(checkpointed: bool) -> None:
+        y = x
+        for w in weights:
+            y = checkpoint(layer, y, w, use_reentrant=False) if checkpointed else layer(y, w)
+        y.sum().backward()
+        for w in weights:
+            w.grad = None
+
+    plain_s = _median_step_s(lambda: step(False), repeats)
+    checkpointed_s = _median_step_s(lambda: step(True), repeats)
+    # the recomputation of each tiny layer is about its forward, a third of its fwd+bwd
+    overhead_s = max(0.0, (checkpointed_s - plain_s * 4 / 3) / regions)
+    _CHECKPOINT_OVERHEAD_S[key] = overhead_s
+    return overhead_s
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[OpCall | None] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        self.calls.append(op_call(func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -> float:
+    """Seconds a training step spends per aten call beyond the call itself (module docstring).
+
+    Measured once per process and device; 0 on CUDA, where the host runs ahead of the kernels.
+    """
+    if device.type != "cpu":
+        return 0.0
+    key = str(device)
+    if key in _OVERHEAD_S:
+        return _OVERHEAD_S[key]
+    torch.manual_seed(0)
+    # Modules as models use them (a linear, a norm, an activation, dropout): their Python and
+    # autograd costs are what a step pays per call; width 16 keeps the kernels themselves tiny.
+    layers = [
+        layer
+        for _ in range(blocks)
+        for layer in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())
+    ]
+    chain = torch.nn.Sequential(*layers, torch.nn.Dropout(0.1)).to(device)
+    x = torch.randn(4, 16, device=device)
+
+    def step() -> None:
+        chain(x).sum().backward()
+        for p in chain.parameters():
+            p.grad = None
+
+    step_s = _median_step_s(step, repeats)
+    with _Recorder() as recorder:
+        step()
+    alone = time_calls([c for c in recorder.calls if c is not None], device)
+    alone_s = sum(alone.get(c.key, 0.0) for c in recorder.calls if c is not None)
+    overhead_s = max(0.0, (step_s - alone_s) / len(recorder.calls))
+    _OVERHEAD_S[key] = overhead_s
+    return overhead_s

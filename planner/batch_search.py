@@ -1,0 +1,279 @@
+"""``planner.fit_batch``: the micro-batch size (and checkpoints) that trains fastest under a cap.
+
+Checkpointing frees activations, which lets the batch grow, and a larger batch can more than pay
+for the recomputation: samples/s = batch size / step time. For each batch size this prices one
+training step (``planning.price``), lets a solver find the fastest plan under the cap (solvers
+minimise predicted recompute time; forward and backward are fixed for a given batch), and
+predicts its peak and step time; the winner has the most predicted samples per second.
+
+Every figure here is a prediction: peaks from ``solvers/simulate.py``, times from the step-time
+model (the graph's own ops timed on the model's device, or a device profile's roofline).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from planner.devices import DeviceProfile, device_profile
+from planner.passes.step import LossFn
+from planner.planning import Plan, budget_bytes_from_gb, price
+from planner.report import format_bytes, format_ms
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import get_solver
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from rich.table import Table
+
+# The default sweep doubles from 1 and stops at the first batch size no plan fits, or here.
+MAX_BATCH_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One batch size. ``fits`` False: no plan fits the cap (``least_bytes`` is the least peak
+    any plan reaches); the planned fields are then None."""
+
+    batch_size: int
+    fits: bool
+    solver: str | None
+    regions: int | None
+    predicted_peak_bytes: int | None
+    predicted_step_time_s: float | None
+    samples_per_s: float | None
+    least_bytes: int | None  # for a row that does not fit
+    # Without checkpointing, whether or not it fits the cap.
+    eager_peak_bytes: int
+    eager_step_time_s: float
+    eager_samples_per_s: float
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """What ``fit_batch`` found: a row per batch size tried, and the winner's plan."""
+
+    rows: tuple[BatchRow, ...]
+    cap_bytes: int
+    device: str
+    best_batch_size: int
+    # batch size -> its plan, for every row that fits
+    plans: Mapping[int, Plan] = field(repr=False, compare=False)
+
+    @property
+    def plan(self) -> Plan:
+        """The winner's plan: ``save()`` it, or train ``plan.module`` at the winner's batch."""
+        return self.plans[self.best_batch_size]
+
+    @property
+    def best(self) -> BatchRow:
+        return next(r for r in self.rows if r.batch_size == self.best_batch_size)
+
+    def to_pandas(self) -> Any:
+        """The rows as a ``pandas.DataFrame`` (pandas is an optional dependency)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError(
+                "BatchFit.to_pandas() needs pandas: pip install pandas "
+                "(or install planner with its dev extra: pip install -e '.[dev]')"
+            ) from None
+        return pd.DataFrame([asdict(r) for r in self.rows])
+
+    def __rich__(self) -> Table:
+        from rich.table import Table
+
+        table = Table(
+            title=f"planner.fit_batch: cap {format_bytes(self.cap_bytes)} "
+            f"({self.cap_bytes / 1e9:.3f} GB), device {self.device}",
+            caption=f"best: batch {self.best_batch_size}, "
+            f"{self.best.samples_per_s:,.1f} samples/s (predicted)",
+            title_justify="left",
+        )
+        for column in (
+            "batch",
+            "solver",
+            "regions",
+            "predicted peak",
+            "step time",
+            "samples/s",
+            "no checkpointing: peak",
+            "step time ",
+            "samples/s ",
+        ):
+            table.add_column(column, justify="left" if column == "solver" else "right")
+        for r in self.rows:
+            eager_fits = r.eager_peak_bytes <= self.cap_bytes
+            eager = [
+                format_bytes(r.eager_peak_bytes) + ("" if eager_fits else " (over)"),
+                format_ms(r.eager_step_time_s),
+                f"{r.eager_samples_per_s:,.1f}" if eager_fits else "-",
+            ]
+            if r.fits:
+                planned = [
+                    r.solver or "",
+                    str(r.regions),
+                    format_bytes(r.predicted_peak_bytes or 0),
+                    format_ms(r.predicted_step_time_s or 0.0),
+                    f"{r.samples_per_s:,.1f}",
+                ]
+            else:
+                planned = [f"no fit: least {format_bytes(r.least_bytes or 0)}", "-", "-", "-", "-"]
+            mark = " *" if r.batch_size == self.best_batch_size else ""
+            table.add_row(
+                f"{r.batch_size}{mark}", *planned, *eager, style=None if r.fits else "dim"
+            )
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(
+            file=out, width=160, force_terminal=False, force_jupyter=False, color_system=None
+        ).print(self)
+        return out.getvalue()
+
+    def plot(self) -> Figure:
+        """Predicted samples/s and peak against batch size, with and without checkpointing."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(10, 4), layout="constrained")
+        speed, memory = fig.subplots(1, 2)
+        sizes = [r.batch_size for r in self.rows]
+        fit = [r for r in self.rows if r.fits]
+        eager_fit = [r for r in self.rows if r.eager_peak_bytes <= self.cap_bytes]
+        speed.plot(
+            [r.batch_size for r in fit],
+            [r.samples_per_s for r in fit],
+            "o-",
+            label="planner (fits the cap)",
+        )
+        speed.plot(
+            [r.batch_size for r in eager_fit],
+            [r.eager_samples_per_s for r in eager_fit],
+            "s--",
+            label="no checkpointing (fits the cap)",
+        )
+        best = self.best
+        speed.scatter(
+            [best.batch_size], [best.samples_per_s], s=150, marker="*", color="black", zorder=4
+        )
+        speed.set_ylabel("predicted samples/s")
+        speed.set_title(f"throughput on {self.device} (predicted)")
+        memory.plot(
+            [r.batch_size for r in fit],
+            [r.predicted_peak_bytes / 2**30 for r in fit],
+            "o-",
+            label="planner",
+        )
+        memory.plot(
+            sizes, [r.eager_peak_bytes / 2**30 for r in self.rows], "s--", label="no checkpointing"
+        )
+        memory.axhline(self.cap_bytes / 2**30, color="red", lw=1, label="cap")
+        memory.set_ylabel("predicted peak of one step (GiB)")
+        memory.set_title("memory (predicted)")
+        for ax in (speed, memory):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("micro-batch size")
+            ax.legend(fontsize=8)
+        return fig
+
+
+def doubling(start: int = 1, stop: int = MAX_BATCH_SIZE) -> Iterable[int]:
+    """1, 2, 4, ... up to ``stop``."""
+    return itertools.takewhile(lambda b: b <= stop, (start << k for k in itertools.count()))
+
+
+def fit_batch(
+    model: torch.nn.Module,
+    make_input: Callable[[int], Any],
+    mem_budget_gb: float,
+    batch_sizes: Sequence[int] | None = None,
+    solver: str = "auto",
+    device: str | DeviceProfile | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    max_batch_size: int = MAX_BATCH_SIZE,
+    **solver_opts: Any,
+) -> BatchFit:
+    """Find the micro-batch size with the most predicted samples/s whose step fits the cap.
+
+    ``make_input(batch_size)`` returns the example input for that batch size. ``batch_sizes``:
+    the sizes to try; None doubles from 1 (1, 2, 4, ...) and stops at the first size even the
+    least-memory plan cannot fit (or at ``max_batch_size``). ``mem_budget_gb``: the cap on one
+    step's peak, in decimal GB, as for ``planner.plan``. ``device``: whose time to predict, as
+    for ``planner.plan`` (None: the model's own device, its ops timed there).
+
+    Raises ``InfeasibleBudgetError`` when no batch size tried fits, with the least budget of
+    the smallest one.
+    """
+    cap_bytes = budget_bytes_from_gb(mem_budget_gb)
+    get_solver(solver)  # fail on an unknown solver before the slow part
+    profile = None if device is None else device_profile(device)
+    sweep = batch_sizes is None
+    sizes = list(doubling(1, max_batch_size)) if sweep else sorted(set(batch_sizes or ()))
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(
+            f"batch_sizes must be positive integers, e.g. [1, 2, 4, 8]; got {batch_sizes!r}"
+        )
+    rows: list[BatchRow] = []
+    plans: dict[int, Plan] = {}
+    best: tuple[float, int] | None = None
+    device_name = ""
+    for b in sizes:
+        priced = price(model, make_input(b), loss_fn=loss_fn, device=profile)
+        graph = priced.graph
+        device_name = graph.meta.get("device", "") + (
+            " (ops timed)" if graph.meta.get("timing") == "measured ops" else " (roofline)"
+        )
+        eager_s = graph.step_time_s
+        eager = dict(
+            eager_peak_bytes=priced.eager_peak_bytes,
+            eager_step_time_s=eager_s,
+            eager_samples_per_s=b / eager_s,
+        )
+        try:
+            p = priced.plan(cap_bytes, solver, **solver_opts)
+        except InfeasibleBudgetError as e:
+            rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
+            if sweep:
+                break  # a larger batch needs more still
+            continue
+        samples_per_s = b / p.predicted_step_time_s
+        rows.append(
+            BatchRow(
+                b,
+                True,
+                p.solver,
+                len(p.regions),
+                p.predicted_peak_bytes,
+                p.predicted_step_time_s,
+                samples_per_s,
+                None,
+                **eager,
+            )
+        )
+        plans[b] = p
+        if best is None or samples_per_s > best[0]:
+            best = (samples_per_s, b)
+    if best is None:
+        first, least = rows[0].batch_size, rows[0].least_bytes or 0
+        raise InfeasibleBudgetError(
+            cap_bytes,
+            least,
+            f"No batch size fits: batch size {first}, the smallest tried, needs at least "
+            f"{format_bytes(least)} ({least / 1e9:.3f} GB).",
+        )
+    return BatchFit(
+        rows=tuple(rows),
+        cap_bytes=cap_bytes,
+        device=device_name,
+        best_batch_size=best[1],
+        plans=plans,
+    )

@@ -1,0 +1,89 @@
+"""planner.fit_batch: the batch-size sweep, its edges, and peaks against the cap (measured)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import planner
+from benchmarks.models import GPT, GPT_REF_SMALL
+from planner.batch_search import BatchFit
+from planner.planning import price
+
+
+def gpt_small():
+    torch.manual_seed(0)
+    return GPT(GPT_REF_SMALL)
+
+
+def make_input(batch_size: int):
+    g = torch.Generator().manual_seed(batch_size)
+    shape = (batch_size, GPT_REF_SMALL.seq_len)
+    idx = torch.randint(0, GPT_REF_SMALL.vocab_size, shape, generator=g)
+    return idx, torch.randint(0, GPT_REF_SMALL.vocab_size, shape, generator=g)
+
+
+def test_sweep_doubles_stops_at_first_misfit_and_every_peak_fits_measured():
+    model = gpt_small()
+    cap_bytes = planner.measure(model, make_input(4)).peak_bytes  # eager at batch 4
+    fit = planner.fit_batch(model, make_input, cap_bytes / 1e9, device="cpu")
+
+    sizes = [r.batch_size for r in fit.rows]
+    assert sizes == [2**k for k in range(len(sizes))]
+    # Doubling stops at the first batch size no plan fits; every smaller one fits.
+    assert not fit.rows[-1].fits and all(r.fits for r in fit.rows[:-1])
+    assert fit.rows[-1].least_bytes > fit.cap_bytes
+    assert len(fit.rows) >= 4  # checkpointing lets the batch grow beyond eager's 4
+    assert fit.rows[3].batch_size == 8 and fit.rows[3].eager_peak_bytes > fit.cap_bytes
+    for r in fit.rows[:-1]:
+        p = fit.plans[r.batch_size]
+        assert r.predicted_peak_bytes == p.predicted_peak_bytes <= fit.cap_bytes
+        assert r.samples_per_s == pytest.approx(r.batch_size / p.predicted_step_time_s)
+        measured = planner.measure(p.module, make_input(r.batch_size))
+        assert measured.peak_bytes <= fit.cap_bytes, (r.batch_size, measured.peak_bytes)
+    winner = max((r for r in fit.rows if r.fits), key=lambda r: r.samples_per_s)
+    assert fit.best_batch_size == winner.batch_size and fit.plan is fit.plans[winner.batch_size]
+
+
+def test_cap_below_every_plan_at_batch_1_says_no_batch_size_fits():
+    model = gpt_small()
+    least = price(model, make_input(1), device="cpu")
+    with pytest.raises(planner.InfeasibleBudgetError) as info:
+        least.plan(1000, "dp")
+    least_bytes = info.value.min_bytes
+    with pytest.raises(planner.InfeasibleBudgetError) as info:
+        planner.fit_batch(model, make_input, 1e-6, device="cpu")
+    message = str(info.value)
+    assert "No batch size fits" in message and "batch size 1" in message
+    assert info.value.min_bytes == least_bytes
+    assert f"{least_bytes / 1e9:.3f} GB" in message
+
+
+def test_huge_cap_no_checkpointing_wins_at_every_batch():
+    fit = planner.fit_batch(gpt_small(), make_input, 100, batch_sizes=[4, 1, 2], device="cpu")
+    assert [r.batch_size for r in fit.rows] == [1, 2, 4]
+    for r in fit.rows:
+        assert r.fits and r.solver == "none" and r.regions == 0
+        assert r.predicted_peak_bytes == r.eager_peak_bytes
+        assert r.predicted_step_time_s == r.eager_step_time_s
+    assert fit.plan.regions == ()
+
+
+def test_table_dataframe_and_plot():
+    fit = planner.fit_batch(gpt_small(), make_input, 100, batch_sizes=[1, 2], device="h100")
+    assert isinstance(fit, BatchFit) and "h100" in fit.device
+    text = str(fit)
+    assert "samples/s" in text and f"best: batch {fit.best_batch_size}" in text
+    frame = fit.to_pandas()
+    assert list(frame["batch_size"]) == [1, 2]
+    assert list(frame["samples_per_s"]) == [r.samples_per_s for r in fit.rows]
+    fig = fit.plot()
+    speed, memory = fig.axes
+    assert speed.get_xlabel() == "micro-batch size"
+    cap_line = [ln for ln in memory.lines if ln.get_label() == "cap"]
+    assert cap_line and cap_line[0].get_ydata()[0] == fit.cap_bytes / 2**30
+
+
+def test_bad_batch_sizes_are_refused():
+    with pytest.raises(ValueError, match="batch_sizes must be positive integers"):
+        planner.fit_batch(gpt_small(), make_input, 1, batch_sizes=[0, 2], device="cpu")
