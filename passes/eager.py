@@ -41,13 +41,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from planner.devices import device_rates
 from planner.passes.estimate import (
     SKIP_GAP_NODES,
     BackwardSegments,
     _Segment,
     _to_fake,
     _Tracker,
-    device_rates,
     storage_records,
 )
 from planner.passes.step import LossFn, floating_leaves, split_input, training_loss
