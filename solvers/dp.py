@@ -10,7 +10,8 @@ against brute force on random chains in ``tests/solvers/test_dp_exactness.py``, 
 states the cases where it is not: early stop, and one nested DAG); on estimated graphs it may
 plan above the cheapest schedule ``simulate`` would accept. A selective region's working set
 comes from ``simulate.region_peak``; ``Schedule.gap`` is 0.0 only when the space was every
-interval of the uncoarsened graph on a 1-byte grid, and the note names the space searched.
+interval of the uncoarsened graph on a 1-byte grid without Rule 5, and the note names the
+space searched.
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -723,6 +724,8 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
     space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
     eager = simulate(graph, Schedule()).peak_bytes
     every, note = _space(graph, options)
+    # Optimal for simulate only where its prices are simulate's: without early stop (Rule 5).
+    every = every and not any(nd.saves_for_backward for nd in graph.nodes)
     for with_selective in (True, False) if options.selective else (False,):
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
