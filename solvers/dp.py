@@ -1,4 +1,17 @@
-"""``dp``: a Rotor-style dynamic programme over the linearised graph, exact for ``simulate``.
+"""``dp``: a Rotor-style dynamic programme over the linearised graph.
+
+Its one claim: among the schedules of its space, dp finds one of least recompute time whose
+peak *by its own prices* fits the budget, and its own prices are never below ``simulate``'s.
+Its prices are ``simulate``'s Rules 1-4 and 6-10 with one difference: every region is priced
+as recomputed to its end (``simulate``'s Rule 5, early stop, is left out). So every plan it
+returns fits under ``simulate``; on graphs where Rule 5 is off (hand-built ones, which do not
+say where saves are) the two models coincide and dp is optimal for ``simulate`` (asserted
+against brute force on random chains in ``tests/solvers/test_dp_exactness.py``, which also
+states the cases where it is not: early stop, and one nested DAG); on estimated graphs it may
+plan above the cheapest schedule ``simulate`` would accept. A selective region's working set
+comes from ``simulate.region_peak``; ``Schedule.gap`` is 0.0 only when the space was every
+interval of the uncoarsened graph on a 1-byte grid without Rule 5, and the note names the
+space searched.
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -17,8 +30,8 @@ using at most ``m`` bytes more than what is already kept.
 
 ``V`` lives on a grid of at most ``grid`` steps up to the budget, so no table grows with the
 budget (a known tool dies with MemoryError on large budgets). Every byte count is rounded *up*
-to the grid step: the programme is exact for the rounded model, and its plans are feasible in
-the exact one. With a 1-byte step (small budgets, as in the tests) it is exact outright.
+to the grid step, so its plans stay within the budget; with a 1-byte step (small budgets, as in
+the tests) nothing is rounded.
 
 Inside regions a state is keyed by what it depends on rather than where it is (its suffix of
 nodes described relative to the context's end, hash-consed), so the repeated blocks of a
@@ -31,12 +44,11 @@ On a module-granular graph (``CostGraph.region_spans``, for plans applied in pla
 exactly the spans, nested as the module tree allows, and selective regions are offered on every
 span at the top level; the space is then every laminar family of spans.
 
-The programme assumes every tensor a node saves is one it reads or produces (true of autograd),
-and that a recomputation runs to its region's end. ``simulate`` stops a recomputation at its
-last save when the graph says where that is (estimated graphs do; hand-built ones do not), so
-on estimated graphs the programme's prices are upper bounds: its plans fit, and they are
-optimal for the programme's model rather than for ``simulate``'s.
-:func:`solve_dp` replays its answer through ``simulate`` all the same.
+Graphs with more than ``DPOptions.max_bounds`` region boundaries are first coarsened into
+stages (:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the
+note says so. The programme assumes every tensor a node saves is one it reads or produces (true
+of autograd). :func:`solve_dp` replays its answer through ``simulate`` and is bounded by
+``DPOptions.time_limit_s``.
 """
 
 from __future__ import annotations
@@ -270,7 +282,8 @@ class _Programme:
         self.memo: dict[tuple, tuple[np.ndarray, int, list, np.ndarray]] = {}
         self._suffix: dict[tuple[int, int], int] = {}
         self._interned: dict[tuple, int] = {}
-        self._last: dict[tuple[int, int, bool], int] = {}
+        # the last node reading or saving each storage (its producer when none does)
+        self.last_use = [ns[-1] if ns else p.producer[t] for t, ns in enumerate(p.needers)]
         self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
         self._end = _value_array(self.size, 0.0)
         self._keys: dict[tuple, tuple] = {}
@@ -278,19 +291,10 @@ class _Programme:
     # -- static pieces ---------------------------------------------------------------------
     def last_need(self, t: int, b: int, root: bool) -> int:
         """Last node in a context ending at ``b`` that reads or saves ``t``."""
-        key = (t, b, root)
-        got = self._last.get(key)
-        if got is None:
-            if root and self.p.is_output[t]:
-                got = self.p.n  # an output lives until backward starts
-            elif not root and self.p.needers[t] and self.p.needers[t][-1] >= b:
-                got = b - 1  # a recomputed region output lives until recomputation ends
-            else:
-                ns = self.p.needers[t]
-                k = bisect.bisect_left(ns, b)
-                got = ns[k - 1] if k else self.p.producer[t]
-            self._last[key] = got
-        return got
+        if root and self.p.is_output[t]:
+            return self.p.n  # an output lives until backward starts
+        last = self.last_use[t]
+        return b - 1 if last >= b else last  # a recomputed region output: to its end
 
     def needed_in(self, t: int, c: int, j: int) -> bool:
         ns = self.p.needers[t]
@@ -630,8 +634,8 @@ def stage_bounds(graph: CostGraph, bounds: tuple[int, ...], count: int | None) -
         for lo, hi in ((0, spans[0][0]), (spans[-1][1], n)):
             if hi > lo:
                 picked |= set(even_cuts(graph, max(1, round(count * (hi - lo) / n)), lo, hi))
-    else:
-        picked = set(even_cuts(graph, count))
+    else:  # whole-number strides: equal stretches (a uniform chain) get equal stages
+        picked = set(coarse_cut_points(graph, count))
     if graph.region_spans is not None:
         picked |= {c for span in graph.region_spans for c in span}
     return tuple(sorted({bounds[bisect.bisect_right(bounds, c) - 1] for c in picked | {0, n}}))
@@ -744,6 +748,8 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
     space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
     eager = simulate(graph, Schedule()).peak_bytes
     every, note = _space(graph, options)
+    # Optimal for simulate only where its prices are simulate's: without early stop (Rule 5).
+    every = every and not any(nd.saves_for_backward for nd in graph.nodes)
     for with_selective in (True, False) if options.selective else (False,):
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)

@@ -384,6 +384,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
     if res is not None and res.chosen is None and incumbent is None:
         res = None  # a bound alone answers nothing
     limit = f"the {time_limit_text(options)}"
+    if options.milp_time_limit_s is not None and options.milp_time_limit_s < left_s:
+        limit = f"the MILP's time limit ({options.milp_time_limit_s:g} s)"
     if res is None and incumbent is None:
         if answer is None:
             left_s = max(0.01, time_limit_s - (time.perf_counter() - start))

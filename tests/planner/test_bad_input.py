@@ -196,7 +196,7 @@ def test_ilp_hitting_its_time_limit_falls_back_and_says_so():
     model, x = zoo.mha_example()
     eager_bytes = planner.measure(model, x).peak_bytes
     p = planner.plan(
-        model, x, mem_budget_gb=0.7 * eager_bytes / 1e9, solver="ilp", time_limit_s=1e-3
+        model, x, mem_budget_gb=0.7 * eager_bytes / 1e9, solver="ilp", milp_time_limit_s=1e-3
     )
     assert p.predicted_peak_bytes <= p.budget_bytes
     assert p.solver == "dp"  # the fallback answered, and the plan says which solver did
