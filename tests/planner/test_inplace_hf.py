@@ -61,17 +61,20 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
     return GPT2LMHeadModel(cfg).train()
 
 
+# Llama and Mistral share their decoder's shape: grouped-query attention, RoPE, RMSNorm, SwiGLU.
+DECODER = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    attention_dropout=0.1, use_cache=False, **SPECIAL,
+)  # fmt: skip
+
+
 def llama(seed: int = 0) -> torch.nn.Module:
     """Llama, 3 layers, d 64, grouped-query attention, tied embeddings, attention dropout."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        attention_dropout=0.1, tie_word_embeddings=True, use_cache=False, **SPECIAL,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).train()
+    return LlamaForCausalLM(LlamaConfig(**DECODER, tie_word_embeddings=True)).train()
 
 
 def mistral(seed: int = 0) -> torch.nn.Module:
@@ -80,12 +83,7 @@ def mistral(seed: int = 0) -> torch.nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        attention_dropout=0.1, use_cache=False, sliding_window=None, **SPECIAL,
-    )  # fmt: skip
-    return MistralForCausalLM(cfg).train()
+    return MistralForCausalLM(MistralConfig(**DECODER, sliding_window=None)).train()
 
 
 def bloom(seed: int = 0) -> torch.nn.Module:
