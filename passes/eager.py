@@ -48,6 +48,7 @@ from planner.passes.estimate import (
     _to_fake,
     _Tracker,
     device_rates,
+    node_tags,
     storage_records,
 )
 from planner.passes.step import LossFn, floating_leaves, split_input, training_loss
@@ -339,17 +340,7 @@ def _build(tracker: _OpTracker, seq_lens: set[int], rates: tuple[float, float]) 
     for i in range(n):
         op = tracker.ops[i]
         packet = op.split(".")[1] if op.count(".") >= 2 else op
-        tags = set()
-        if i in attention:
-            tags.add("attention")
-        if i in skips:
-            tags.add("skip")
-        if i in tracker.random_nodes:
-            tags.add("random")
-        if packet.endswith("_") and not packet.startswith("_"):
-            tags.add("inplace")
-        if "batch_norm" in packet:
-            tags.add("batchnorm")
+        tags = node_tags(i, packet, "", attention, skips, tracker)
         if i in tracker.views and produced_bytes[i] == 0:
             tags.add("view")
         bseg = bwd.get(i, _Segment())

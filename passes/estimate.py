@@ -485,18 +485,8 @@ def _build(
             loss_above = loss_seg.start_bytes - seg.start_bytes + loss_seg.peak_above_start_bytes
             fwd_above = max(fwd_above, loss_above)
         bseg = bwd.get(i, _Segment())
-        tags = set()
-        if i in attention:
-            tags.add("attention")
-        if i in skips:
-            tags.add("skip")
-        if i in tracker.random_nodes:
-            tags.add("random")
         name = _op_name(n)
-        if name.endswith("_") and not name.startswith("_"):
-            tags.add("inplace")
-        if "batch_norm" in name or "BatchNorm" in _module_type(n):
-            tags.add("batchnorm")
+        tags = node_tags(i, name, _module_type(n), attention, skips, tracker)
         if i in step.views and produced_bytes[i] == 0:
             tags.add("view")
         out_nodes.append(
@@ -592,6 +582,21 @@ def storage_records(
                 buffers.append(GradBuffer(r.nbytes, alloc_node=i, free_node=r.freed_at))
                 grad_alloc[i] += r.nbytes
     return tensors, produced_bytes, param_grad, grad_alloc, buffers
+
+
+def node_tags(
+    i: int, op_name: str, module_type: str, attention: set[int], skips: set[int], tracker: _Tracker
+) -> set[str]:
+    """The tags of node ``i`` (short op name ``op_name``, issued by a ``module_type``) but
+    ``view``, which depends on what the node produces."""
+    tags = {tag for tag, nodes in (("attention", attention), ("skip", skips)) if i in nodes}
+    if i in tracker.random_nodes:
+        tags.add("random")
+    if op_name.endswith("_") and not op_name.startswith("_"):
+        tags.add("inplace")
+    if "batch_norm" in op_name or "BatchNorm" in module_type:
+        tags.add("batchnorm")
+    return tags
 
 
 def _attention_nodes(nodes, index, step: _Step, seq_lens: set[int]) -> set[int]:

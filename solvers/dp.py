@@ -53,7 +53,7 @@ from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, block_spans, crossing_bytes, even_cuts, region_bounds
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import register
-from planner.solvers.selective import out_bytes, worth_keeping
+from planner.solvers.selective import is_matmul, out_bytes, worth_keeping
 from planner.solvers.simulate import gradient_bytes, simulate
 
 INF = math.inf
@@ -86,6 +86,7 @@ class _Prices:
     grad_after: tuple[int, ...]  # the same once node i's backward is done (index n: none done)
     held_fwd: tuple[int, ...]  # bytes held to the end of the step, alive at node i's forward
     keepable: tuple[bool, ...]  # outputs a selective region would keep (solvers/selective.py)
+    matmul: tuple[bool, ...]  # every matmul's, attention scores too (SAC's "save matmuls")
     bounds: tuple[int, ...]  # cuts a region boundary may use (solvers/cuts.py region_bounds)
     grad_at_raw: tuple[int, ...]  # grad_at_bwd and grad_after in bytes, for differences
     grad_after_raw: tuple[int, ...]
@@ -158,6 +159,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         grad_after=tuple(units(g + total) for g in grad_after),
         held_fwd=tuple(units(h) for h in held_prefix),
         keepable=tuple(worth_keeping(graph, i, out) for i in range(n)),
+        matmul=tuple(is_matmul(graph, i) for i in range(n)),
         bounds=tuple(region_bounds(graph)),
         grad_at_raw=tuple(g + total for g in grad_at),
         grad_after_raw=tuple(g + total for g in grad_after),
@@ -217,6 +219,9 @@ class _Programme:
             for a, b in sorted(spans):
                 self.span_ends.setdefault(a, []).append(b)
             self.bounds = sorted({0, p.n, *(c for ab in spans for c in ab)})
+        # Op-level keeps run inside module regions (applied in place): there a region may also
+        # keep every matmul output, the attention scores' too, as SAC's usual policy does.
+        self.keep_sets = [p.keepable] if spans is None else [p.keepable, p.matmul]
         self.is_bound = [False] * (p.n + 1)
         for c in self.bounds:
             self.is_bound[c] = True
@@ -284,12 +289,11 @@ class _Programme:
             self._wmax[key] = got
         return got
 
-    def selective_option(self, c, j, b, crossing, best, choice, options):
-        """Nodes [c, j) as a selective region at the root: the outputs of ``keepable`` nodes
+    def selective_option(self, c, j, b, crossing, best, choice, options, keep):
+        """Nodes [c, j) as a selective region at the root: the outputs of the ``keep`` nodes
         that the region saves are cached from the first forward (held until the region's
         backward ends) and those nodes are not recomputed; everything else is."""
         p, root = self.p, True
-        keep = [i for i in range(c, j) if p.keepable[i]]
         if not keep:
             return best
         keep_set = set(keep)
@@ -510,7 +514,9 @@ class _Programme:
                 surviving = [t for t in surviving if self.last_need(t, b, root) >= j]
                 coarse = self.span_ends is not None or (self.is_coarse[c] and self.is_coarse[j])
                 if root and self.selective and coarse:
-                    best = self.selective_option(c, j, b, crossing, best, choice, options)
+                    keeps = {tuple(i for i in range(c, j) if k[i]) for k in self.keep_sets}
+                    for keep in sorted(keeps):
+                        best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
                 held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
                 inner = self.value(c, j, (), False, False, depth + 1)
                 if inner[-1] == INF:

@@ -42,6 +42,12 @@ def out_bytes(graph: CostGraph) -> list[int]:
     return out
 
 
+def is_matmul(graph: CostGraph, i: int) -> bool:
+    """A matmul, convolution or fused attention, whatever its output's size."""
+    name = _op_name(graph.nodes[i].op)
+    return name in _WEIGHT_OPS or "conv" in name or any(p in name for p in _PAIR_OPS)
+
+
 def worth_keeping(graph: CostGraph, i: int, produced: list[int]) -> bool:
     """A weight matmul or convolution, or an activation matmul that does not blow up the size
     (attention's q @ k^T is S x S: recomputed; att @ v is not: kept)."""
