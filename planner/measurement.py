@@ -129,7 +129,9 @@ def _step(module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None) -
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
-        return [st for a in attrs for st in _storages(getattr(t, a))]
+        # DTensor (FSDP2's parameters) lists its device mesh next to its local tensor
+        inner = [getattr(t, a) for a in attrs]
+        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
     if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
         return []
     return [t.untyped_storage()]

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import planner
 from benchmarks.models import GPT, GPTConfig
 from tests.helpers import assert_same_step_copy
+from tests.planner.test_compose import _build
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +34,7 @@ BATCH = 4
 
 
 def build(cfg: GPTConfig = CFG) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
-    tgt = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g)
-    return model, (idx, tgt)
+    return _build(cfg, BATCH)
 
 
 def plan_half(model: torch.nn.Module, example_input) -> planner.InplacePlan:

@@ -24,7 +24,7 @@ import copy
 import inspect
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -61,17 +61,20 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
     return GPT2LMHeadModel(cfg).train()
 
 
+# Llama and Mistral share their decoder's shape: grouped-query attention, RoPE, RMSNorm, SwiGLU.
+DECODER = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    attention_dropout=0.1, use_cache=False, **SPECIAL,
+)  # fmt: skip
+
+
 def llama(seed: int = 0) -> torch.nn.Module:
     """Llama, 3 layers, d 64, grouped-query attention, tied embeddings, attention dropout."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        attention_dropout=0.1, tie_word_embeddings=True, use_cache=False, **SPECIAL,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).train()
+    return LlamaForCausalLM(LlamaConfig(**DECODER, tie_word_embeddings=True)).train()
 
 
 def mistral(seed: int = 0) -> torch.nn.Module:
@@ -80,12 +83,7 @@ def mistral(seed: int = 0) -> torch.nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        attention_dropout=0.1, use_cache=False, sliding_window=None, **SPECIAL,
-    )  # fmt: skip
-    return MistralForCausalLM(cfg).train()
+    return MistralForCausalLM(MistralConfig(**DECODER, sliding_window=None)).train()
 
 
 def bloom(seed: int = 0) -> torch.nn.Module:
@@ -130,6 +128,13 @@ class Applied:
     plan: Any
     eager_peak_bytes: int
     param_ids: tuple[int, ...]  # id() of model's parameters before applying
+    peaks: dict[int, int] = field(default_factory=dict)  # length -> measured peak bytes
+
+    def peak_at(self, length: int) -> int:
+        """The applied model's measured peak for a batch of ``length`` tokens (cached)."""
+        if length not in self.peaks:
+            self.peaks[length] = plain_peak_at(self.model, length)
+        return self.peaks[length]
 
 
 def plan_and_apply(name: str, model: torch.nn.Module) -> Applied:
@@ -174,12 +179,13 @@ _FAKE_MASK = (
     "op sequence differs, the selective region falls back to full recompute and the plan's "
     "prediction is not what runs"
 )
-_LOCALS = (
-    "simulate frees a recompute region's unsaved values at their last use, but eager Python "
-    "keeps them alive until the region's forward returns (BloomAttention's query/key/value "
-    "locals), or longer: BloomAttention returns attention_probs (B x H x S x S) and "
-    "BloomModel's loop holds it in `outputs` until the next block returns. Baseline is exact; "
-    "the checkpointed plan measures above its prediction and its budget"
+_HELD_OUTPUT = (
+    "BloomAttention returns attention_probs (B x H x S x S) next to its output; BloomBlock "
+    "returns it and BloomModel's loop holds it in `outputs` until the next block returns. "
+    "Without checkpointing autograd saves it anyway, so the fake run's storage deaths never "
+    "show that Python lifetime, and a checkpointed block's copy is priced dead at the region's "
+    "end: measured 8.01 MiB vs predicted 7.03 MiB. With attention_probs replaced by None in "
+    "the returned tuple, predicted == measured to the byte"
 )
 KNOWN: dict[tuple[str, str], str] = {
     ("planned ops", "gpt2"): _FAKE_MASK,
@@ -188,8 +194,7 @@ KNOWN: dict[tuple[str, str], str] = {
     ("prediction", "gpt2"): _FAKE_MASK,
     ("prediction", "llama"): _FAKE_MASK,
     ("prediction", "mistral"): _FAKE_MASK,
-    ("prediction", "bloom"): _LOCALS,
-    ("budget", "bloom"): _LOCALS,
+    ("prediction", "bloom"): _HELD_OUTPUT,
 }
 
 
@@ -227,15 +232,15 @@ def test_gradients_bitwise_at_any_length(any_applied: Applied, length: int):
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_measured_peak_within_budget(any_applied: Applied, length: int, request):
-    expect_defect(request, "budget", any_applied.name)
-    measured = plain_peak_at(any_applied.model, length)
+    expect_defect(request, "budget", f"{any_applied.name}-{length}")
+    measured = any_applied.peak_at(length)
     budget = any_applied.plan.budget_bytes
     assert measured <= budget, (
         f"{any_applied.name} at {BATCH}x{length}: measured {measured / 2**20:.2f} MiB > budget "
         f"{budget / 2**20:.2f} MiB (eager {any_applied.eager_peak_bytes / 2**20:.2f} MiB)"
     )
     if length < SEQ:  # shorter batches take less memory than the planned one
-        assert measured < plain_peak_at(any_applied.model, SEQ)
+        assert measured < any_applied.peak_at(SEQ)
 
 
 def test_baseline_prediction_is_eager_peak(any_applied: Applied):
@@ -250,7 +255,7 @@ def test_baseline_prediction_is_eager_peak(any_applied: Applied):
 
 def test_prediction_matches_measurement_at_planned_shape(any_applied: Applied, request):
     expect_defect(request, "prediction", any_applied.name)
-    measured = plain_peak_at(any_applied.model, SEQ)
+    measured = any_applied.peak_at(SEQ)
     predicted = any_applied.plan.predicted_peak_bytes
     assert abs(predicted - measured) <= 0.01 * measured, (
         f"{any_applied.name}: predicted {predicted / 2**20:.3f} MiB, measured "
@@ -260,12 +265,12 @@ def test_prediction_matches_measurement_at_planned_shape(any_applied: Applied, r
 
 def test_planned_ops_run_at_planned_shape(any_applied: Applied, request):
     """The example it was planned with runs exactly the planned op sequence: no region falls
-    back to full recomputation (planner warns when one does)."""
+    back to full recomputation (planner warns, once per module, when one does)."""
     expect_defect(request, "planned ops", any_applied.name)
+    model = any_applied.plan.apply(copy.deepcopy(any_applied.reference))  # not warned yet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        any_applied.model(**tokens(SEQ)).loss.backward()
-    any_applied.model.zero_grad(set_to_none=True)
+        model(**tokens(SEQ)).loss.backward()
     diverged = [str(w.message) for w in caught if "ran other operations" in str(w.message)]
     assert not diverged, diverged[0]
 
@@ -414,7 +419,7 @@ def test_saved_plan_on_fresh_model(applied: Applied, tmp_path):
     for length in (SEQ, 40):
         batch = tokens(length, seed=7, pad_last=5)
         assert_same_step_copy(applied.model, fresh, batch, seed=7)
-    assert plain_peak_at(fresh, SEQ) == plain_peak_at(applied.model, SEQ)
+    assert plain_peak_at(fresh, SEQ) == applied.peak_at(SEQ)
     # removing it restores the model's own forward everywhere
     assert planner.remove(fresh) is fresh and not wrapped_paths(fresh)
 
