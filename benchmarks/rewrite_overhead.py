@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.models import gpt_ref_example, gpt_ref_small_example  # noqa: E402
 from planner.passes.capture import capture  # noqa: E402
-from planner.passes.rewrite import CALL_OPS, Region, region_name, rewrite  # noqa: E402
+from planner.passes.rewrite import CALL_OPS, NamedRegion, region_name, rewrite  # noqa: E402
 
 
 class HandCheckpoint(nn.Module):
@@ -42,7 +42,7 @@ class HandCheckpoint(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def block_regions(gm: torch.fx.GraphModule, n_blocks: int) -> list[Region]:
+def block_regions(gm: torch.fx.GraphModule, n_blocks: int) -> list[NamedRegion]:
     """One region per transformer block: the nodes whose module path is ``blocks.<i>...``."""
     taken: set[str] = set()
     regions = []
@@ -56,7 +56,7 @@ def block_regions(gm: torch.fx.GraphModule, n_blocks: int) -> list[Region]:
         )
         name = region_name(gm, nodes, taken)
         taken.add(name)
-        regions.append(Region(name, nodes))
+        regions.append(NamedRegion(name, nodes))
     return regions
 
 

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from planner.devices import DeviceProfile, profile_of
+from planner.passes.nodes import module_path, written_arguments
 from planner.passes.op_timing import (
     OpCall,
     call_overhead_s,
@@ -144,23 +145,12 @@ class _Tracker(TorchDispatchMode):
         return out
 
     def note_writes(self, func, args: tuple, kwargs: dict) -> None:
-        """Record the storages ``func`` writes in place (schema ``Tensor(a!)``: relu_, add_...)."""
-        schema_args = func._schema.arguments
+        """Record the storages ``func`` writes in place (``passes/nodes.written_arguments``)."""
 
-        def value_of(k: int) -> Any:
-            return args[k] if k < len(args) else kwargs.get(schema_args[k].name)
+        def value_of(k: int, name: str) -> Any:
+            return args[k] if k < len(args) else kwargs.get(name)
 
-        for k, a in enumerate(schema_args):
-            write = a.alias_info is not None and a.alias_info.is_write
-            if not write and a.name in ("running_mean", "running_var"):
-                # native_batch_norm updates its running statistics without saying so in its
-                # schema (looked up here only: this runs for every op of the forward)
-                names = [b.name for b in schema_args]
-                training = value_of(names.index("training")) if "training" in names else True
-                write = training is not False
-            if not write:
-                continue
-            value = value_of(k)
+        for value in written_arguments(func._schema, value_of):
             for t in tree_leaves(value):
                 if not _is_tensor(t) or (rec := self.lookup(t)) is None:
                     continue
@@ -337,16 +327,6 @@ def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
     if _is_tensor(x):
         return mode.from_tensor(x, static_shapes=True)
     return x
-
-
-def _module_path(n: fx.Node) -> str:
-    if n.op == "call_module":
-        return str(n.target)
-    stack = n.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        return path if isinstance(path, str) else ""
-    return ""
 
 
 def _module_type(n: fx.Node) -> str:
@@ -587,7 +567,7 @@ def _build(
                 name=n.name,
                 op=name,
                 inputs=tuple(sorted({index[a] for a in n.all_input_nodes if a in index})),
-                module_path=_module_path(n),
+                module_path=module_path(n) or "",
                 fwd_flops=tracker.flops.get(("fwd", i), 0),
                 bwd_flops=tracker.flops.get(("bwd", i), 0),
                 fwd_bytes_accessed=tracker.moved_bytes.get(("fwd", i), 0),

@@ -33,7 +33,7 @@ import operator
 import re
 import threading
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.passes.nodes import module_path, written_arguments
 from planner.solvers.errors import UnsupportedModelError
 
 CALL_OPS = ("call_function", "call_method", "call_module")
@@ -75,20 +76,6 @@ class NamedRegion:
 # --------------------------------------------------------------------------- names
 
 
-def _module_path(node: fx.Node) -> str | None:
-    """Dotted path of the deepest module a node ran in ('' = the root), None when unknown."""
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        # symbolic_trace/dynamo style paths: "L['self'].blocks[0].attn" -> "blocks.0.attn"
-        path = re.sub(r"^L\['self'\]\.?", "", path)
-        path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path).strip(".")
-        return path
-    if node.op == "call_module":
-        return str(node.target)
-    return None
-
-
 def _identifier(text: str) -> str:
     text = re.sub(r"\W+", "_", text).strip("_")
     return text or "region"
@@ -106,7 +93,7 @@ def region_name(gm: fx.GraphModule, nodes: Iterable[str | fx.Node], taken: set[s
     members = [by_name[n] if isinstance(n, str) else n for n in nodes]
     if not members:
         raise ValueError("a region needs at least one node")
-    known = [(n, p.split(".") if p else []) for n in members if (p := _module_path(n)) is not None]
+    known = [(n, p.split(".") if p else []) for n in members if (p := module_path(n)) is not None]
     if not known:
         base = f"{members[0].name}_to_{members[-1].name}" if len(members) > 1 else members[0].name
     else:
@@ -124,7 +111,7 @@ def region_name(gm: fx.GraphModule, nodes: Iterable[str | fx.Node], taken: set[s
             n in member_set
             for n in gm.graph.nodes
             if n.op in CALL_OPS
-            and (p := _module_path(n)) is not None
+            and (p := module_path(n)) is not None
             and (p == prefix or p.startswith(prefix + ".") or not prefix)
         )
         children = [p[len(common)] for _, p in known if len(p) > len(common)]
@@ -308,25 +295,17 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
 
 
 def _written(node: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node]:
-    """Nodes whose storage ``node`` writes in place (schema ``(a!)``, BatchNorm stats...)."""
+    """Nodes whose storage ``node`` writes in place: aten ops by ``nodes.written_arguments``;
+    in symbolic_trace graphs, ``inplace=True`` modules and calls, ``x.add_(...)``, ``x += y``."""
     if node.op not in CALL_OPS:
         return []
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
-        out: list[fx.Node] = []
-        args = t._schema.arguments
-        training = next(
-            (_arg_value(node, i, a.name) for i, a in enumerate(args) if a.name in _TRAINING_ARGS),
-            True,
-        )
-        for i, a in enumerate(args):
-            write = a.alias_info is not None and a.alias_info.is_write
-            # aten.batch_norm updates running stats without saying so in its schema.
-            if a.name in ("running_mean", "running_var") and training is not False:
-                write = True
-            if write:
-                out += _nodes_in(_arg_value(node, i, a.name))
-        return out
+
+        def value_of(i: int, name: str) -> Any:
+            return _arg_value(node, i, name)
+
+        return [w for value in written_arguments(t._schema, value_of) for w in _nodes_in(value)]
     if node.op == "call_module":
         mod = modules.get(str(t))
         return _nodes_in(node.args[:1]) if getattr(mod, "inplace", False) is True else []
@@ -338,9 +317,6 @@ def _written(node: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node]:
     ):
         return _nodes_in(node.args[:1])
     return []
-
-
-_TRAINING_ARGS = ("training", "use_input_stats")
 
 
 def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
@@ -363,10 +339,26 @@ class _Span:
     children: list[_Span]
 
 
+def node_interval(region: NamedRegion, index: Mapping[str, int]) -> tuple[int, int]:
+    """[start, stop) of ``region``'s nodes by ``index`` (node name -> position in graph order).
+
+    Raises ``ValueError`` when it names a node ``index`` lacks or its nodes are not a contiguous
+    run. The rewrite and ``planner.apply_plan`` both map named regions to intervals here.
+    """
+    if not region.nodes:
+        raise ValueError(f"region {region.name} covers no nodes")
+    for name in region.nodes:
+        if name not in index:
+            raise ValueError(f"region {region.name}: node {name!r} is not in the graph's calls")
+    idx = sorted(index[name] for name in region.nodes)
+    if idx != list(range(idx[0], idx[-1] + 1)):
+        raise ValueError(f"region {region.name}: its nodes are not a contiguous run in graph order")
+    return idx[0], idx[-1] + 1
+
+
 def _spans(gm: fx.GraphModule, regions: Sequence[NamedRegion], order: list[fx.Node]) -> list[_Span]:
     """Validate regions and arrange them as a forest (outermost first, in graph order)."""
     index = {n.name: i for i, n in enumerate(order)}
-    all_names = {n.name: n for n in gm.graph.nodes}
     spans: list[_Span] = []
     seen_names: set[str] = set()
     for r in regions:
@@ -377,19 +369,10 @@ def _spans(gm: fx.GraphModule, regions: Sequence[NamedRegion], order: list[fx.No
         seen_names.add(r.name)
         if r.kind not in KINDS:
             raise ValueError(f"region {r.name}: kind {r.kind!r} is not one of {KINDS}")
-        if not r.nodes:
-            raise ValueError(f"region {r.name} covers no nodes")
-        for name in r.nodes:
-            if name not in index:
-                what = "is not in the graph" if name not in all_names else "is not a call node"
-                raise ValueError(f"region {r.name}: node {name!r} {what}")
-        idx = sorted(index[name] for name in r.nodes)
-        if idx != list(range(idx[0], idx[-1] + 1)):
-            raise ValueError(f"region {r.name}: its nodes are not a contiguous run in graph order")
+        start, stop = node_interval(r, index)
         if not set(r.saved_nodes) <= set(r.nodes):
             raise ValueError(f"region {r.name}: saved_nodes must be nodes of the region")
-        members = set(order[idx[0] : idx[-1] + 1])
-        spans.append(_Span(r, idx[0], idx[-1] + 1, members, []))
+        spans.append(_Span(r, start, stop, set(order[start:stop]), []))
     # Laminar: outer regions first (longer first at the same start), then place each inside
     # the innermost region already seen that covers it.
     spans.sort(key=lambda s: (s.start, -s.stop))

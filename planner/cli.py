@@ -4,6 +4,9 @@ python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --ou
 python -m planner plan mymodels:ResNet --input-shape 32,3,224,224 --budget 2GB
 python -m planner compare benchmarks.models:unet_example --budgets 0.5GB,1GB --measure
 python -m planner fit-batch benchmarks.plan_7b:llama_for_batch --budget 80GB --device h100
+
+torch and planner's modules are imported inside the commands, not here, so that ``--help`` and
+usage errors answer at once (no import cycle hides behind them).
 """
 
 from __future__ import annotations

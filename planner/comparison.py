@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
+from planner.measurement import measure as measure_step
 from planner.passes.step import LossFn
 from planner.planning import GB, Plan, price
+from planner.plots import plot_pareto
 from planner.report import format_bytes, format_ms
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
 from planner.solvers.registry import SOLVERS, get_solver
@@ -179,8 +182,6 @@ class Comparison:
 
     def plot(self, *, ax: Any = None) -> Figure:
         """Peak memory vs predicted recompute time: each solver's front, eager, the budgets."""
-        from planner.plots import plot_pareto
-
         return plot_pareto(self, ax=ax)
 
 
@@ -235,10 +236,6 @@ def compare(
     ``solver_opts``: extra keyword options per solver name, e.g. ``{"ilp": {"time_limit_s": 5}}``.
     ``progress``: show a progress bar (only once a step takes more than half a second).
     """
-    from tqdm import tqdm
-
-    from planner.measurement import measure as measure_step
-
     names = list(solvers) if solvers is not None else solver_names()
     for name in names:
         get_solver(name)  # unknown names fail before the work
@@ -289,7 +286,7 @@ def compare(
                 bar.set_description(f"{name} @ {_mib(budget_bytes)}")
                 t0 = time.perf_counter()
                 try:
-                    p = priced.plan(budget_bytes, name, **opts.get(name, {}))
+                    schedule = priced.solve(budget_bytes, name, **opts.get(name, {}))
                 except InfeasibleBudgetError as e:
                     rows.append(
                         _infeasible(name, budget_bytes, time.perf_counter() - t0, least=e.min_bytes)
@@ -307,6 +304,7 @@ def compare(
                     )
                     bar.update()
                     continue
+                p = priced.build(schedule, budget_bytes, solve_time_s=time.perf_counter() - t0)
                 measured = None
                 if eager is not None:
                     measured = measure_step(p.module, example_input, loss_fn, repeats=repeats)

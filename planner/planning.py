@@ -5,8 +5,10 @@ Every way in goes through here, so every way in makes the same checks and raises
 - ``plan()`` runs the four steps for one budget;
 - ``apply_plan()`` runs capture and estimate, takes the schedule from a saved file instead of a
   solver, and builds;
-- ``planner.compare`` and the command line run :func:`price` once (capture, estimate) and
-  :meth:`PricedModel.plan` (solve, build) per solver and budget.
+- the command line runs :func:`price` (capture, estimate), works out a budget given as a
+  percentage from the priced graph, then :meth:`PricedModel.plan` (solve, build);
+- ``planner.compare`` runs :func:`price` once, then :meth:`PricedModel.solve` and
+  :meth:`PricedModel.build` per solver and budget (a solver's error is that row's answer).
 
 Import order is one way: this module uses ``plan_file`` (the file format) and ``report`` (the
 text), which never import it back.
@@ -27,7 +29,7 @@ import torch
 from planner.devices import DeviceProfile, device_profile
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.rewrite import NamedRegion, region_name, rewrite
+from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
 from planner.passes.step import LossFn
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
@@ -118,6 +120,27 @@ class PricedModel:
         """Predicted peak of one step without checkpointing."""
         return simulate(self.graph, Schedule()).peak_bytes
 
+    def solve(self, budget_bytes: int, solver: str = "auto", **solver_opts: Any) -> Schedule:
+        """Step 3: the schedule ``solver`` chooses for ``budget_bytes``.
+
+        ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
+        error to raise).
+        """
+        return get_solver(solver)(self.graph, budget_bytes, **solver_opts)
+
+    def build(
+        self,
+        schedule: Schedule,
+        budget_bytes: int,
+        regions: list[NamedRegion] | None = None,
+        *,
+        solve_time_s: float = 0.0,
+    ) -> Plan:
+        """Step 4: carry ``schedule`` out on the captured module (:func:`build_plan`)."""
+        return build_plan(
+            self.module, self.graph, schedule, budget_bytes, regions, solve_time_s=solve_time_s
+        )
+
     def plan(
         self,
         budget_bytes: int,
@@ -126,20 +149,13 @@ class PricedModel:
         on_step: OnStep = _no_progress,
         **solver_opts: Any,
     ) -> Plan:
-        """Steps 3 and 4: solve for ``budget_bytes`` with ``solver`` and build the plan.
-
-        ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
-        error to raise).
-        """
-        solve = get_solver(solver)
+        """Steps 3 and 4: solve for ``budget_bytes`` with ``solver`` and build the plan."""
         on_step("solve")
         t0 = time.perf_counter()
-        schedule = solve(self.graph, budget_bytes, **solver_opts)
+        schedule = self.solve(budget_bytes, solver, **solver_opts)
         solve_time_s = time.perf_counter() - t0
         on_step("build")
-        return build_plan(
-            self.module, self.graph, schedule, budget_bytes, solve_time_s=solve_time_s
-        )
+        return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
 
 
 def price(
@@ -231,20 +247,17 @@ def apply_plan(
     index = {node.name: i for i, node in enumerate(priced.graph.nodes)}
     spans = []
     for r in named:
-        start = index.get(r.nodes[0]) if r.nodes else None
-        if start is None or [index.get(n) for n in r.nodes] != list(
-            range(start, start + len(r.nodes))
-        ):
+        try:
+            start, stop = node_interval(r, index)
+        except ValueError as e:
             raise PlanFileError(
                 f"region {r.name!r} in {path} does not name a contiguous run of this graph's "
-                f"nodes. Plan this model anew with planner.plan(...)."
-            )
+                f"nodes ({e}). Plan this model anew with planner.plan(...)."
+            ) from None
         saved = frozenset(index[n] for n in r.saved_nodes if n in index)
-        spans.append(Region(start, start + len(r.nodes), r.depth, r.kind, saved))  # type: ignore[arg-type]
+        spans.append(Region(start, stop, r.depth, r.kind, saved))  # type: ignore[arg-type]
     schedule = Schedule(regions=tuple(spans), solver=body["solver"], note=f"applied from {path}")
-    return build_plan(
-        priced.module, priced.graph, schedule, int(body["budget_bytes"]), regions=named
-    )
+    return priced.build(schedule, int(body["budget_bytes"]), named)
 
 
 def named_regions(

@@ -167,8 +167,9 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     if verbose:
         columns[2:2] = ["depth", "nodes", "kept nodes"]
     for column in columns:
-        numeric = column in ("frees", "recompute", "recompute time", "depth", "nodes")
-        table.add_column(column, justify="right" if numeric else "left")
+        numeric = column in ("frees", "recompute", "recompute time", "depth", "nodes", "kept nodes")
+        # the names are what a user looks up (p.module.<name>): never cut them
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=column == "region")
     spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
     for region, span, cost in zip(plan.regions, spans, costs):
         cells = [
@@ -191,7 +192,11 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         table.add_row(*total)
     out = io.StringIO()
     Console(
-        file=out, width=120, force_terminal=False, force_jupyter=False, color_system=None
+        file=out,
+        width=140 if verbose else 120,
+        force_terminal=False,
+        force_jupyter=False,
+        color_system=None,
     ).print(table)
     if not verbose:
         out.write("solver details: plan.summary(verbose=True)\n")

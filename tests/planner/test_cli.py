@@ -267,6 +267,12 @@ def test_a_model_that_needs_a_loss_says_so_and_plans_with_loss(complex_net, caps
     assert body["predictions"]["peak_bytes"] == p.predicted_peak_bytes
     assert [r["nodes"] for r in body["regions"]] == [list(r.nodes) for r in p.regions]
     assert f"predicted peak {format_bytes(p.predicted_peak_bytes)}" in printed
+    # compare takes the same flag
+    compare_argv = ["compare", f"{complex_net}:build", "--budgets", "1GB", "--solvers", "uniform"]
+    assert main([*compare_argv, "-q"]) == 2
+    assert "--loss MODULE:FUNCTION" in capsys.readouterr().err
+    assert main([*compare_argv, "-q", "--loss", f"{complex_net}:loss"]) == 0
+    assert format_bytes(p.predicted_peak_bytes) in capsys.readouterr().out
 
 
 def test_loss_must_name_a_function(complex_net, capsys):
