@@ -233,6 +233,7 @@ def plot_sweep(rows: list[SweepRow], cap_bytes: float, device: str, title: str):
         memory.plot([r.batch for r in mine], [r.peak_bytes / 1e9 for r in mine], **style)
         speed.plot([r.batch for r in fits], [r.tokens_per_s for r in fits], **style)
     memory.axhline(cap_bytes / 1e9, color="red", lw=1, ls="--", label="cap")
+    memory.set_yscale("log")  # no checkpointing at batch 64 dwarfs the cap
     memory.set_ylabel("predicted peak of one step (GB)")
     speed.set_ylabel(f"predicted tokens/s on {device} (fits the cap)")
     for ax in (memory, speed):

@@ -2,6 +2,7 @@
 
     python -m benchmarks.step_time [--models gpt-ref-small,llama] [--fractions 0.8,0.5,0.3]
                                    [--repeats 7] [--threads 1]
+    python -m benchmarks.step_time --fit-batch gpt-ref-small [--cap-batch 8]
 
 Each model is priced once on this machine's CPU (``planner.planning.price``: its own ops timed
 here, ``passes/op_timing.py``); every solver plans it at each budget (a fraction of the predicted
@@ -9,6 +10,11 @@ eager peak). Every plan's training step is then measured with ``planner.measure`
 across the plans (one timed step each per round, ``--repeats`` rounds) so that a busy machine
 slows all of them alike, and the median is compared with ``Plan.predicted_step_time_s``.
 Times on a shared machine are noisy; say so when you quote them.
+
+``--fit-batch`` checks ``planner.fit_batch`` instead: the cap is the unmodified model's measured
+peak at batch ``--cap-batch``; every batch size the sweep tries that fits is measured (peak and
+step time, interleaved) against its predicted peak and samples/s, and the pick against the
+measured best.
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ import time
 import torch
 
 import planner
-from benchmarks.models import gpt_example, gpt_ref_example, gpt_ref_small_example
+from benchmarks.models import (
+    gpt_example,
+    gpt_ref_example,
+    gpt_ref_for_batch,
+    gpt_ref_small_example,
+    gpt_ref_small_for_batch,
+)
 from planner.comparison import solver_names
 from planner.planning import price
 from planner.solvers.errors import InfeasibleBudgetError
@@ -96,16 +108,69 @@ def run(name: str, fractions: list[float], repeats: int) -> list[float]:
     return errors
 
 
+BATCH_FACTORIES = {"gpt-ref-small": gpt_ref_small_for_batch, "gpt-ref": gpt_ref_for_batch}
+
+
+def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
+    factory = BATCH_FACTORIES[name]
+    model, _ = factory(1)
+    cap_bytes = planner.measure(model, factory(cap_batch)[1]).peak_bytes
+    t0 = time.perf_counter()
+    fit = planner.fit_batch(model, lambda b: factory(b)[1], cap_bytes / 1e9)
+    print(f"fit_batch in {time.perf_counter() - t0:.1f} s")
+    print(fit)
+    rows = [r for r in fit.rows if r.fits]
+    inputs = {r.batch_size: factory(r.batch_size)[1] for r in rows}
+    peaks = {}
+    samples: dict[int, list[float]] = {r.batch_size: [] for r in rows}
+    for k in range(repeats):
+        for r in rows:
+            m = planner.measure(fit.plans[r.batch_size].module, inputs[r.batch_size], warmup=k == 0)
+            peaks.setdefault(r.batch_size, m.peak_bytes)
+            samples[r.batch_size].append(m.step_time_s)
+    print(
+        f"\n## fit_batch on {name}: cap = eager's measured peak at batch {cap_batch}, "
+        f"{cap_bytes / 2**20:.2f} MiB\n"
+    )
+    print(
+        "| batch | solver | predicted peak | measured peak | <= cap | predicted samples/s "
+        "| measured samples/s | error |"
+    )
+    print("|---:|---|---:|---:|---|---:|---:|---:|")
+    measured_rate = {}
+    for r in rows:
+        measured_rate[r.batch_size] = r.batch_size / statistics.median(samples[r.batch_size])
+        error = r.samples_per_s / measured_rate[r.batch_size] - 1
+        print(
+            f"| {r.batch_size} | {r.solver} | {r.predicted_peak_bytes / 2**20:.2f} MiB "
+            f"| {peaks[r.batch_size] / 2**20:.2f} MiB "
+            f"| {'yes' if peaks[r.batch_size] <= cap_bytes else '**no**'} "
+            f"| {r.samples_per_s:,.1f} | {measured_rate[r.batch_size]:,.1f} | {error:+.1%} |"
+        )
+    best = max(measured_rate, key=measured_rate.get)
+    ratio = measured_rate[fit.best_batch_size] / measured_rate[best]
+    print(
+        f"\npick: batch {fit.best_batch_size} ({measured_rate[fit.best_batch_size]:,.1f} "
+        f"samples/s measured); measured best: batch {best} ({measured_rate[best]:,.1f}); "
+        f"pick at {ratio:.1%} of the measured best"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt-ref-small,llama")
     parser.add_argument("--fractions", default="0.8,0.5,0.3")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--fit-batch", choices=sorted(BATCH_FACTORIES), help="check fit_batch")
+    parser.add_argument("--cap-batch", type=int, default=8, help="for --fit-batch")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"CPU, {torch.get_num_threads()} threads, median of {args.repeats} interleaved steps")
+    if args.fit_batch:
+        check_fit_batch(args.fit_batch, args.cap_batch, args.repeats)
+        return
     fractions = [float(f) for f in args.fractions.split(",")]
     errors: list[float] = []
     for name in args.models.split(","):

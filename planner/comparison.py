@@ -48,6 +48,8 @@ class Row:
     note: str = ""
     # predicted (simulate's roofline estimate), what dp minimises; tables and plots rank by it
     recompute_time_s: float | None = None
+    predicted_step_time_s: float | None = None  # forward + backward + recompute (Plan's)
+    measured_step_time_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Comparison:
         measured = any(r.measured_peak_bytes is not None for r in self.rows)
         header = ["solver", "budget", "feasible", "predicted peak"]
         header += ["measured peak", "step time ratio"] if measured else []
+        header += ["predicted step"] + (["measured step"] if measured else [])
         header += ["recompute time", "recompute FLOPs", "solve time"]
         rows = self.ranked()
         body = []
@@ -112,6 +115,8 @@ class Comparison:
                 cells = [solver, _mib(r.budget_bytes), "yes", _mib(r.predicted_peak_bytes)]
                 if measured:
                     cells += [_mib(r.measured_peak_bytes), _ratio(r.step_time_ratio)]
+                cells += [_ms(r.predicted_step_time_s)]
+                cells += [_ms(r.measured_step_time_s)] if measured else []
                 time_text = "-" if r.recompute_time_s is None else format_ms(r.recompute_time_s)
                 cells += [time_text, f"+{r.recompute_flops_pct:.1f}%", f"{r.solve_time_s:.2f} s"]
             else:
@@ -122,6 +127,7 @@ class Comparison:
                 )
                 cells = [solver, _mib(r.budget_bytes), least, "-"]
                 cells += ["-", "-"] if measured else []
+                cells += ["-"] + (["-"] if measured else [])
                 cells += ["-", "-", f"{r.solve_time_s:.2f} s"]
             body.append(cells)
         return rows, header, body
@@ -133,7 +139,10 @@ class Comparison:
         if self.eager_step_time_s is not None:
             text += f", step time {self.eager_step_time_s * 1e3:,.1f} ms"
         text += f"; {self.step_flops / 1e9:,.2f} GFLOPs per step"
-        return text + "; recompute time: predicted (roofline)"
+        return (
+            text
+            + "; recompute time and predicted step: the step-time model (op timings or a roofline)"
+        )
 
     def to_markdown(self) -> str:
         """A GitHub markdown table, with the eager reference as its first line."""
@@ -167,7 +176,7 @@ class Comparison:
         out = io.StringIO()
         # force_jupyter=False: in a notebook rich would display the table instead of returning it
         Console(
-            file=out, width=160, force_terminal=False, force_jupyter=False, color_system=None
+            file=out, width=200, force_terminal=False, force_jupyter=False, color_system=None
         ).print(self)
         return out.getvalue()
 
@@ -178,6 +187,10 @@ class Comparison:
 
 def _mib(n_bytes: int | None) -> str:
     return "-" if n_bytes is None else format_bytes(n_bytes)
+
+
+def _ms(time_s: float | None) -> str:
+    return "-" if time_s is None else format_ms(time_s)
 
 
 def _ratio(value: float | None) -> str:
@@ -309,6 +322,8 @@ def compare(
                         else measured.step_time_s / max(eager.step_time_s, 1e-12),
                         solve_time_s=p.solve_time_s,
                         note="" if name == p.solver else f"chose {p.solver}",
+                        predicted_step_time_s=p.predicted_step_time_s,
+                        measured_step_time_s=None if measured is None else measured.step_time_s,
                     )
                 )
                 plans[(name, budget_bytes)] = p

@@ -4,7 +4,7 @@
 policies (selective, every block, Chen's greedy) are also tried because each can reach a point
 ``dp``'s space lacks (selective keeps matmul outputs while recomputing their inputs). Small
 graphs also get the exact ``ilp``. Schedule.solver names the winner; Schedule.note lists the
-others' recompute time, and what the time limit cut short. On module-granular graphs
+time each of the others adds to the step, and what the time limit cut short. On module-granular graphs
 (``CostGraph.region_spans``: plans applied in place) only the solvers that keep to the spans
 run: none, dp, ilp.
 
@@ -74,14 +74,17 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
         if schedule.solver != name or time_limit_text(own) in schedule.note:
             cut_short.append(f"{name}: {schedule.note}")
         sim = simulate(graph, schedule)
-        found.append((sim.recompute_time_s, sim.peak_bytes, name, schedule))
+        # Ranked by the whole step's time: recomputation, offload transfers and each region's
+        # own overhead (forward and backward are the same for every schedule).
+        found.append((sim.step_time_s, sim.peak_bytes, name, schedule))
         if name == "none":
             break  # the eager step fits: nothing beats no recomputation
     if not found:
         raise InfeasibleBudgetError(budget_bytes, least or 0, "(solver 'auto')")
     found.sort(key=lambda f: (f[0], f[1]))
     time_s, _, name, best = found[0]
-    others = ", ".join(f"{n} {t * 1e3:.1f} ms" for t, _, n, _ in found[1:])
+    base_s = graph.step_time_s  # the notes give the time each adds to the step
+    others = ", ".join(f"{n} {(t - base_s) * 1e3:.1f} ms" for t, _, n, _ in found[1:])
     note = best.note + (f"; auto also tried: {others}" if others else "")
     if cut_short:
         note += f"; cut short by the {time_limit_text(options)}: " + "; ".join(cut_short)

@@ -7,7 +7,7 @@ import torch
 from benchmarks.models import gpt_ref_small_example
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import call_overhead_s, op_call, time_calls
+from planner.passes.op_timing import call_overhead_s, checkpoint_overhead_s, op_call, time_calls
 
 
 def test_identical_blocks_get_identical_measured_times():
@@ -38,3 +38,20 @@ def test_calls_are_timed_on_real_tensors_and_failures_left_to_the_roofline():
     assert set(times) == {mm.key}  # the shape mismatch cannot run: not timed
     assert 0 < times[mm.key] < 1.0
     assert call_overhead_s(torch.device("cpu")) >= 0
+
+
+def test_on_the_device_each_region_adds_its_measured_overhead_to_the_step():
+    from planner.planning import price
+
+    model, example = gpt_ref_small_example()
+    priced = price(model, example)  # model on the CPU: its ops timed here
+    graph = priced.graph
+    assert graph.meta["timing"] == "measured ops"
+    assert graph.region_overhead_s == checkpoint_overhead_s(torch.device("cpu")) > 0
+    p = priced.plan(10**9, "uniform")
+    assert p.regions
+    assert p.predicted_step_time_s == (
+        graph.step_time_s
+        + p.predicted_recompute_time_s
+        + len(p.schedule.regions) * graph.region_overhead_s
+    )

@@ -306,6 +306,12 @@ def test_compare_measures_with_planner_measure(compared):
     assert uniform.measured_peak_bytes == again.peak_bytes < c.eager_measured_peak_bytes
     assert all(r.step_time_ratio > 0 for r in c.rows if r.feasible)
     assert all(r.step_time_ratio is None for r in c.rows if not r.feasible)
+    for r in c.rows:
+        if r.feasible:
+            p = c.plans[(r.solver, r.budget_bytes)]
+            assert r.predicted_step_time_s == p.predicted_step_time_s > 0
+            assert r.measured_step_time_s == pytest.approx(r.step_time_ratio * c.eager_step_time_s)
+    assert "predicted step" in str(c) and "measured step" in str(c)
 
 
 def test_compared_plans_train_exactly_like_the_model(compared):
