@@ -4,9 +4,9 @@
 policies (selective, every block, Chen's greedy) are also tried because each can reach a point
 ``dp``'s space lacks (selective keeps matmul outputs while recomputing their inputs). Small
 graphs also get the exact ``ilp``. Schedule.solver names the winner; Schedule.note lists the
-time each of the others adds to the step, and what the time limit cut short. On module-granular graphs
-(``CostGraph.region_spans``: plans applied in place) only the solvers that keep to the spans
-run: none, dp, ilp.
+time each of the others adds to the step, and what the time limit cut short. On
+module-granular graphs (``CostGraph.region_spans``: plans applied in place) only the solvers
+that keep to the spans run: none, dp, ilp.
 
 Options: ``time_limit_s`` bounds the whole call and is shared by the solvers in the order they
 run (the cheap ones first); each solver's own options go in the field named after it, as its
