@@ -1,7 +1,10 @@
-"""Quickstart: plan a small GPT to half its eager memory, print the plan, measure both.
+"""Quickstart: plan a small GPT to half its eager memory, apply the plan to the model in place,
+check it trains exactly as before, and measure both.
 
 Run from anywhere after installing planner: ``python examples/quickstart.py``.
 """
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +22,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln_1(x)
-        x = x + self.attn(h, h, h, need_weights=False, is_causal=False)[0]
+        x = x + self.attn(h, h, h, need_weights=False)[0]
         return x + self.mlp(self.ln_2(x))
 
 
@@ -40,15 +43,33 @@ class TinyGPT(nn.Module):
 torch.manual_seed(0)
 model = TinyGPT()
 tokens = torch.randint(0, 1024, (8, 256))
-example_input = (tokens, tokens.roll(-1, dims=1))
+example_input = (tokens, tokens.roll(-1, dims=1))  # plan at the largest shape you train
+untouched = copy.deepcopy(model)
 
 eager = planner.measure(model, example_input)
-p = planner.plan(model, example_input, mem_budget_gb=0.5 * eager.peak_bytes / 1e9)
+p = planner.plan(model, example_input, mem_budget_gb=0.5 * eager.peak_bytes / 1e9, form="inplace")
 print(p.summary())
 
-after = planner.measure(p.module, example_input)  # p.module trains in the model's place
+p.apply(model)  # the same model object, its own blocks now checkpointed as planned
+after = planner.measure(model, example_input)
 print(
     f"measured peak: {eager.peak_bytes / 2**20:.1f} MiB eager -> "
-    f"{after.peak_bytes / 2**20:.1f} MiB planned ({p.solver}); "
-    f"step time {eager.step_time_s:.2f} s -> {after.step_time_s:.2f} s"
+    f"{after.peak_bytes / 2**20:.1f} MiB planned (predicted {p.predicted_peak_bytes / 2**20:.1f} "
+    f"MiB, solver {p.solver}); step time {eager.step_time_s:.2f} s -> {after.step_time_s:.2f} s"
 )
+
+# Same loss and gradients as the untouched model, at the planned shape and a shorter one.
+for length in (256, 100):
+    batch = (tokens[:, :length], tokens.roll(-1, dims=1)[:, :length])
+    losses = []
+    for m in (untouched, model):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = m(*batch)
+        loss.backward()
+        losses.append(loss.detach())
+    same = all(
+        torch.equal(a.grad, b.grad) for a, b in zip(untouched.parameters(), model.parameters())
+    )
+    print(f"length {length}: loss equal {torch.equal(*losses)}, every gradient equal {same}")
+    assert same and torch.equal(*losses)
