@@ -101,7 +101,8 @@ def run(name: str, fractions: list[float], repeats: int) -> list[float]:
         error = p.predicted_step_time_s / measured_s - 1
         errors.append(abs(error))
         print(
-            f"| {p.solver} | {fraction:.0%} | {len(p.regions)} "
+            f"| {solver if solver == p.solver else f'{solver} (chose {p.solver})'} "
+            f"| {fraction:.0%} | {len(p.regions)} "
             f"| {p.predicted_peak_bytes / 2**20:.2f} MiB | {p.predicted_step_time_s * 1e3:.2f} ms "
             f"| {measured_s * 1e3:.2f} ms | {error:+.1%} |"
         )
