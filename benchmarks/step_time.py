@@ -1,12 +1,13 @@
 """Predicted vs measured step time, for every solver's plan at three budgets.
 
-    python -m benchmarks.step_time [--models gpt-ref-small,llama] [--fractions 0.8,0.5,0.3]
+    python -m benchmarks.step_time [--models gpt-ref-small,llama] [--fractions 0.75,0.5,0.25]
                                    [--repeats 7] [--threads 1]
     python -m benchmarks.step_time --fit-batch gpt-ref-small [--cap-batch 8]
 
 Each model is priced once on this machine's CPU (``planner.planning.price``: its own ops timed
-here, ``passes/op_timing.py``); every solver plans it at each budget (a fraction of the predicted
-eager peak). Every plan's training step is then measured with ``planner.measure``, round-robin
+here, ``passes/op_timing.py``); every solver plans it at each budget (a fraction of the way from
+the least budget dp fits to the predicted eager peak). Every plan's training step is then timed
+(``planner.measurement.time_step``), round-robin
 across the plans (one timed step each per round, ``--repeats`` rounds) so that a busy machine
 slows all of them alike, and the median is compared with ``Plan.predicted_step_time_s``.
 Times on a shared machine are noisy; say so when you quote them.
@@ -34,6 +35,7 @@ from benchmarks.models import (
     gpt_ref_small_for_batch,
 )
 from planner.comparison import solver_names
+from planner.measurement import time_step
 from planner.planning import price
 from planner.solvers.errors import InfeasibleBudgetError
 
@@ -72,8 +74,14 @@ def run(name: str, fractions: list[float], repeats: int) -> list[float]:
     priced = price(model, example)
     price_s = time.perf_counter() - t0
     plans = {}
+    least_bytes = 0
+    try:
+        priced.solve(0, "dp")
+    except InfeasibleBudgetError as e:
+        least_bytes = e.min_bytes
     for fraction in fractions:
-        budget = int(fraction * priced.eager_peak_bytes)
+        # A fraction of the way from the least budget any plan fits to the eager peak.
+        budget = int(least_bytes + fraction * (priced.eager_peak_bytes - least_bytes))
         for solver in solver_names():
             try:
                 p = priced.plan(budget, solver)
@@ -82,16 +90,19 @@ def run(name: str, fractions: list[float], repeats: int) -> list[float]:
             plans[(solver, fraction)] = p
     samples: dict[tuple[str, float], list[float]] = {key: [] for key in plans}
     eager_samples: list[float] = []
-    for k in range(repeats):
-        warmup = 1 if k == 0 else 0
-        eager_samples.append(planner.measure(model, example, warmup=warmup).step_time_s)
+    # Each round times every module once: one warm-up step (the previous module's left the
+    # caches cold, which a training loop repeating one module never sees), then the median of
+    # three steps.
+    for _ in range(repeats):
+        # The captured graph without regions: what the plans' predictions start from.
+        eager_samples.append(time_step(priced.module, example, repeats=3).step_s)
         for key, p in plans.items():
-            samples[key].append(planner.measure(p.module, example, warmup=warmup).step_time_s)
+            samples[key].append(time_step(p.module, example, repeats=3).step_s)
     eager_s = statistics.median(eager_samples)
     print(
-        f"\n## {name}: priced in {price_s:.1f} s ({priced.graph.meta.get('timing')}); eager "
-        f"measured {eager_s * 1e3:.2f} ms, predicted {priced.graph.step_time_s * 1e3:.2f} ms "
-        f"({priced.graph.step_time_s / eager_s - 1:+.1%})\n"
+        f"\n## {name}: priced in {price_s:.1f} s ({priced.graph.meta.get('timing')}); "
+        f"no regions: measured {eager_s * 1e3:.2f} ms, predicted "
+        f"{priced.graph.step_time_s * 1e3:.2f} ms ({priced.graph.step_time_s / eager_s - 1:+.1%})\n"
     )
     print("| solver | budget | regions | predicted peak | predicted step | measured step | error |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -160,7 +171,7 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt-ref-small,llama")
-    parser.add_argument("--fractions", default="0.8,0.5,0.3")
+    parser.add_argument("--fractions", default="0.75,0.5,0.25")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--fit-batch", choices=sorted(BATCH_FACTORIES), help="check fit_batch")

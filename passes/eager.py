@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from planner.devices import device_rates
+from planner.devices import DeviceProfile, profile_of
 from planner.passes.estimate import (
     SKIP_GAP_NODES,
     BackwardSegments,
@@ -50,8 +50,9 @@ from planner.passes.estimate import (
     _Tracker,
     node_tags,
     storage_records,
+    with_measured_times,
 )
-from planner.passes.step import LossFn, floating_leaves, split_input, training_loss
+from planner.passes.step import LossFn, StepTime, floating_leaves, split_input, training_loss
 from planner.solvers.costgraph import CostGraph, Node
 from planner.solvers.cuts import forbidden_cuts
 
@@ -96,8 +97,8 @@ class _Save:
 class _OpTracker(_Tracker):
     """The estimate tracker, plus one node per aten op of the forward and loss."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, record_calls: bool = False) -> None:
+        super().__init__(record_calls)
         self.recording = False
         self.internal = 0  # our own ops (detaching saves): not the model's
         self.names: list[str] = []
@@ -275,9 +276,16 @@ def eager_graph(
     example_input: Any,
     loss_fn: LossFn | None = None,
     *,
-    rates: tuple[float, float] | None = None,
+    rates: DeviceProfile | None = None,
+    time_ops: bool = False,
+    step_time: StepTime | None = None,
 ) -> EagerGraph:
-    """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring)."""
+    """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring).
+
+    ``rates``: the device to price time for (None: the model's own, ``devices.profile_of``);
+    ``time_ops`` and ``step_time`` as for ``passes.estimate.estimate``: time the step's aten
+    calls on the model's real device, fitted to its measured step.
+    """
     args, kwargs = split_input(example_input)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     params = model.named_parameters(remove_duplicate=False)
@@ -285,7 +293,11 @@ def eager_graph(
     state.update({k: _to_fake(mode, v) for k, v in model.named_buffers(remove_duplicate=False)})
     fake_args = [_to_fake(mode, a) for a in args]
     fake_kwargs = {k: _to_fake(mode, v) for k, v in kwargs.items()}
-    tracker = _OpTracker()
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
+    device = device or torch.device("cpu")
+    if time_ops and device.type == "meta":
+        raise ValueError("time_ops needs the model on a real device (cpu or cuda), not meta")
+    tracker = _OpTracker(record_calls=time_ops)
     for t in [*state.values(), *tree_leaves((fake_args, fake_kwargs))]:
         tracker.register_external(t)
 
@@ -317,10 +329,10 @@ def eager_graph(
     tracker.resolve_saves()
 
     seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
-    if rates is None:
-        device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
-        rates = device_rates(device or torch.device("cpu"))
+    rates = rates or profile_of(device)
     graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
+    if time_ops:
+        graph = with_measured_times(graph, tracker, device, rates, step_time)
     return _candidates(model, graph, calls)
 
 
@@ -328,7 +340,7 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def _build(tracker: _OpTracker, seq_lens: set[int], rates: tuple[float, float]) -> CostGraph:
+def _build(tracker: _OpTracker, seq_lens: set[int], rates: DeviceProfile) -> CostGraph:
     n = len(tracker.names)
     tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
         tracker, tracker.names, tracker.died_at
@@ -364,15 +376,18 @@ def _build(tracker: _OpTracker, seq_lens: set[int], rates: tuple[float, float]) 
         )
     meta = {
         "estimator": "fake tensors, eager",
-        "rates": f"{rates[0]:.3g} FLOP/s, {rates[1]:.3g} B/s",
+        "device": rates.name,
+        "rates": f"{rates.flops_per_s:.3g} FLOP/s, {rates.bytes_per_s:.3g} B/s",
+        "timing": "roofline",
     }
     if tracker.sdpa_backends:
         meta["sdpa_backend"] = ",".join(sorted(tracker.sdpa_backends))
     return CostGraph(
         nodes=tuple(nodes),
         tensors=tuple(tensors),
-        flops_per_s=rates[0],
-        bytes_per_s=rates[1],
+        flops_per_s=rates.flops_per_s,
+        bytes_per_s=rates.bytes_per_s,
+        offload_bytes_per_s=rates.host_bytes_per_s,
         grad_buffers=tuple(buffers),
         meta=meta,
     )

@@ -45,11 +45,11 @@ from planner.passes.nodes import module_path, written_arguments
 from planner.passes.op_timing import (
     OpCall,
     call_overhead_s,
-    checkpoint_overhead_s,
+    checkpoint_overhead,
     op_call,
     time_calls,
 )
-from planner.passes.step import training_loss
+from planner.passes.step import StepTime, training_loss
 from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -110,6 +110,7 @@ class _Tracker(TorchDispatchMode):
         self.phase = "fwd"
         self.flops: dict[tuple[str, int], int] = defaultdict(int)
         self.moved_bytes: dict[tuple[str, int], int] = defaultdict(int)
+        self.call_counts: dict[tuple[str, int], int] = defaultdict(int)
         self.random_nodes: set[int] = set()
         self.sdpa_backends: set[str] = set()
         self.allocated: dict[tuple[str, int], list[_Storage]] = defaultdict(list)
@@ -125,6 +126,7 @@ class _Tracker(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
         self.flops[where] += flops
+        self.call_counts[where] += 1
         if func in _SDPA_BACKENDS and self.phase == "fwd":
             self.sdpa_backends.add(_SDPA_BACKENDS[func])
         if torch.Tag.nondeterministic_seeded in func.tags and self.phase == "fwd":
@@ -380,6 +382,7 @@ def estimate(
     sdpa_backend: str | None = None,
     rates: DeviceProfile | tuple[float, float] | None = None,
     time_ops: bool = False,
+    step_time: StepTime | None = None,
 ) -> CostGraph:
     """Price one forward+loss+backward step of ``gm`` on fake tensors (see module docstring).
 
@@ -391,6 +394,8 @@ def estimate(
     ``time_ops``: also run each distinct aten call of the step once on the model's (real) device
     and price nodes by those timings (``passes/op_timing.py``), the roofline only for calls that
     cannot run on random tensors; ``Node.fwd_time_s`` / ``bwd_time_s`` then hold them.
+    ``step_time``: with ``time_ops``, the real step of ``gm`` measured on the device
+    (``planner.measurement.time_step``); node times are fitted to add up to it.
     """
     kwargs = kwargs or {}
     nodes = compute_nodes(gm)
@@ -461,30 +466,79 @@ def estimate(
     elif not isinstance(rates, DeviceProfile):
         flops_per_s, bytes_per_s = rates
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
-    times = _measured_times(tracker, device, rates) if time_ops else None
-    graph = _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend, times)
-    if time_ops:
-        graph = dataclasses.replace(graph, region_overhead_s=checkpoint_overhead_s(device))
-    return graph
+    graph = _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend)
+    return with_measured_times(graph, tracker, device, rates, step_time) if time_ops else graph
+
+
+def with_measured_times(
+    graph: CostGraph,
+    tracker: _Tracker,
+    device: torch.device,
+    rates: DeviceProfile,
+    step_time: StepTime | None,
+) -> CostGraph:
+    """``graph`` with node times from its aten calls timed on ``device`` (the tracker recorded
+    them: ``record_calls``) and the checkpoint overhead measured there (``op_timing``)."""
+    times, how = _measured_times(tracker, device, rates, step_time)
+    nodes = tuple(
+        dataclasses.replace(
+            n, fwd_time_s=times.get(("fwd", i), 0.0), bwd_time_s=times.get(("bwd", i), 0.0)
+        )
+        for i, n in enumerate(graph.nodes)
+    )
+    overhead = checkpoint_overhead(device)
+    return dataclasses.replace(
+        graph,
+        nodes=nodes,
+        region_overhead_s=overhead.region_s,
+        saving_node_overhead_s=overhead.per_saving_node_s,
+        selective_node_overhead_s=overhead.per_selective_node_s,
+        meta={**graph.meta, "timing": how},
+    )
 
 
 def _measured_times(
-    tracker: _Tracker, device: torch.device, rates: DeviceProfile
-) -> dict[tuple[str, int], float]:
-    """Seconds per (phase, node): its aten calls timed on ``device`` (the roofline for those
-    that cannot run alone), plus the step's own overhead per call (``op_timing`` docstring)."""
+    tracker: _Tracker, device: torch.device, rates: DeviceProfile, step_time: StepTime | None
+) -> tuple[dict[tuple[str, int], float], str]:
+    """Seconds per (phase, node): its aten calls timed alone on ``device`` (the roofline for
+    those that cannot run alone), plus what the step spends per call around them, and how.
+
+    With the real step's ``step_time`` (forward and backward measured on the device), that
+    per-call share is fitted per phase so the phase adds up to its measured time: the model's
+    own Python, autograd and dispatch, not a stand-in's. When the ops timed alone already take
+    longer than the phase (they missed cache reuse the real step has), they are scaled down
+    instead. Without it, the share of a stand-in chain (``op_timing.call_overhead_s``).
+    """
     calls = [call for recorded in tracker.calls.values() for call, _, _ in recorded if call]
     measured = time_calls(calls, device)
-    overhead_s = call_overhead_s(device)
-    times: dict[tuple[str, int], float] = {}
-    for where, recorded in tracker.calls.items():
-        times[where] = len(recorded) * overhead_s + sum(
+    alone_s: dict[tuple[str, int], float] = {
+        where: sum(
             measured[call.key]
             if call is not None and call.key in measured
             else max(flops / rates.flops_per_s, moved / rates.bytes_per_s)
             for call, flops, moved in recorded
         )
-    return times
+        for where, recorded in tracker.calls.items()
+    }
+    if step_time is None:
+        overhead_s = call_overhead_s(device)
+        how = f"ops timed alone + {overhead_s * 1e6:.1f} us per call (stand-in chain)"
+        return {w: t + len(tracker.calls[w]) * overhead_s for w, t in alone_s.items()}, how
+    times: dict[tuple[str, int], float] = {}
+    how = []
+    for phase, phase_s in (("fwd", step_time.forward_s), ("bwd", step_time.backward_s)):
+        wheres = [w for w in alone_s if w[0] == phase]
+        total_alone_s = sum(alone_s[w] for w in wheres)
+        n_calls = sum(len(tracker.calls[w]) for w in wheres)
+        if phase_s >= total_alone_s:
+            per_call_s = (phase_s - total_alone_s) / max(n_calls, 1)
+            times.update({w: alone_s[w] + len(tracker.calls[w]) * per_call_s for w in wheres})
+            how.append(f"{phase} {phase_s * 1e3:.2f} ms: + {per_call_s * 1e6:.1f} us per call")
+        else:
+            scale = phase_s / total_alone_s
+            times.update({w: alone_s[w] * scale for w in wheres})
+            how.append(f"{phase} {phase_s * 1e3:.2f} ms: ops x {scale:.2f}")
+    return times, "ops timed alone, fitted to the measured step (" + "; ".join(how) + ")"
 
 
 def _build(
@@ -496,7 +550,6 @@ def _build(
     seq_lens: set[int],
     rates: DeviceProfile,
     sdpa_backend: str | None,
-    times: dict[tuple[str, int], float] | None,
 ) -> CostGraph:
     index = {n: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
@@ -533,15 +586,14 @@ def _build(
                 tags=frozenset(tags),
                 state_bytes=sum(tracker.state_written.get(i, {}).values()),
                 saves_for_backward=i in tracker.allocated_at_last_save,
-                fwd_time_s=None if times is None else times.get(("fwd", i), 0.0),
-                bwd_time_s=None if times is None else times.get(("bwd", i), 0.0),
+                fwd_calls=tracker.call_counts.get(("fwd", i), 0),
             )
         )
     meta = {
         "estimator": "fake tensors",
         "device": rates.name,
         "rates": f"{rates.flops_per_s:.3g} FLOP/s, {rates.bytes_per_s:.3g} B/s",
-        "timing": "roofline" if times is None else "measured ops",
+        "timing": "roofline",
     }
     if tracker.sdpa_backends or sdpa_backend:
         # Which fused-attention kernel the prices assume: math materialises the S x S scores,

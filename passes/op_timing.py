@@ -22,6 +22,7 @@ region costs its own bookkeeping (saved-tensor hooks, RNG state, the recomputati
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -141,7 +142,6 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
 
 
 _OVERHEAD_S: dict[str, float] = {}
-_CHECKPOINT_OVERHEAD_S: dict[str, float] = {}
 
 
 def _best_step_s(step: Callable[[], None], repeats: int) -> float:
@@ -154,41 +154,98 @@ def _best_step_s(step: Callable[[], None], repeats: int) -> float:
     return min(samples)  # see MIN_STRETCH_S: the machine's speed, not its neighbours' load
 
 
-def checkpoint_overhead_s(device: torch.device, regions: int = 16, repeats: int = 15) -> float:
-    """Seconds one non-reentrant checkpoint region adds to a step beyond recomputing its ops.
+@dataclass(frozen=True)
+class CheckpointOverhead:
+    """What a non-reentrant checkpoint region adds to a step beyond recomputing its ops.
 
-    A chain of tiny regions stepped with and without ``torch.utils.checkpoint``; the difference
-    per region, less the tiny recomputation itself. Measured once per process and device; 0 on
-    CUDA, where the host runs ahead of the kernels.
+    ``region_s`` once per region (frames, RNG state, the recomputation's set-up);
+    ``per_saving_node_s`` for each node in it that saves for backward (the saved-tensor hooks run
+    for it in forward, again in the recomputation, and on unpacking in backward);
+    ``per_selective_node_s`` for each aten call of a selective region (its policy's dispatch
+    mode sees every op, in forward and in the recomputation).
+    """
+
+    region_s: float = 0.0
+    per_saving_node_s: float = 0.0
+    per_selective_node_s: float = 0.0
+
+
+_CHECKPOINT_OVERHEAD: dict[str, CheckpointOverhead] = {}
+
+
+def checkpoint_overhead(
+    device: torch.device, regions: int = 16, repeats: int = 21
+) -> CheckpointOverhead:
+    """The checkpoint overhead on ``device``, fitted on chains of tiny regions (1 and 8 layers of
+    two saving ops each) stepped plain, checkpointed and selectively checkpointed: each step's
+    excess over the plain step and one more forward (the recomputation). Measured once per
+    process and device; zero on CUDA, where the host runs ahead of the kernels.
     """
     if device.type != "cpu":
-        return 0.0
+        return CheckpointOverhead()
     key = str(device)
-    if key in _CHECKPOINT_OVERHEAD_S:
-        return _CHECKPOINT_OVERHEAD_S[key]
-    from torch.utils.checkpoint import checkpoint
+    if key in _CHECKPOINT_OVERHEAD:
+        return _CHECKPOINT_OVERHEAD[key]
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
 
+    def recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    selective = functools.partial(create_selective_checkpoint_contexts, recompute_all)
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(16, generator=generator, requires_grad=True) for _ in range(regions)]
     x = torch.randn(4, 16, generator=generator)
 
-    def layer(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(y * w)
+    def excess_s(layers: int) -> tuple[float, float]:
+        weights = [
+            [torch.randn(16, generator=generator, requires_grad=True) for _ in range(layers)]
+            for _ in range(regions)
+        ]
 
-    def step(checkpointed: bool) -> None:
-        y = x
-        for w in weights:
-            y = checkpoint(layer, y, w, use_reentrant=False) if checkpointed else layer(y, w)
-        y.sum().backward()
-        for w in weights:
-            w.grad = None
+        def block(y: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+            for w in ws:
+                y = torch.tanh(y * w)  # two ops, each saving for backward
+            return y
 
-    plain_s = _best_step_s(lambda: step(False), repeats)
-    checkpointed_s = _best_step_s(lambda: step(True), repeats)
-    # the recomputation of each tiny layer is about its forward, a third of its fwd+bwd
-    overhead_s = max(0.0, (checkpointed_s - plain_s * 4 / 3) / regions)
-    _CHECKPOINT_OVERHEAD_S[key] = overhead_s
-    return overhead_s
+        def step(how: str) -> None:
+            y = x
+            for ws in weights:
+                if how == "plain":
+                    y = block(y, *ws)
+                elif how == "checkpoint":
+                    y = checkpoint(block, y, *ws, use_reentrant=False)
+                else:
+                    y = checkpoint(block, y, *ws, use_reentrant=False, context_fn=selective)
+            y.sum().backward()
+            for ws in weights:
+                for w in ws:
+                    w.grad = None
+
+        def forward() -> None:
+            y = x
+            for ws in weights:
+                y = block(y, *ws)
+
+        plain_s = _best_step_s(lambda: step("plain"), repeats)
+        recompute_s = _best_step_s(forward, repeats)
+        checkpoint_s = _best_step_s(lambda: step("checkpoint"), repeats) - plain_s - recompute_s
+        selective_s = _best_step_s(lambda: step("selective"), repeats) - plain_s - recompute_s
+        return checkpoint_s / regions, selective_s / regions
+
+    few_s, few_selective_s = excess_s(1)
+    many_s, many_selective_s = excess_s(8)
+    per_saving_node_s = max(0.0, (many_s - few_s) / (2 * 8 - 2))
+    per_selective_node_s = max(0.0, (many_selective_s - many_s) / (2 * 8))
+    overhead = CheckpointOverhead(
+        region_s=max(0.0, few_s - 2 * per_saving_node_s),
+        per_saving_node_s=per_saving_node_s,
+        per_selective_node_s=per_selective_node_s,
+    )
+    _CHECKPOINT_OVERHEAD[key] = overhead
+    return overhead
 
 
 class _Recorder(TorchDispatchMode):

@@ -6,6 +6,7 @@ Shared by ``passes/estimate.py`` and ``planner/measurement.py`` so both price th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,18 @@ from planner.solvers.errors import UnsupportedModelError
 
 ExampleInput = torch.Tensor | tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
 LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Median wall times of untracked training steps, split where backward starts."""
+
+    forward_s: float  # the module's forward and the loss
+    backward_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s
 
 
 def split_input(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -35,6 +35,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.devices import DeviceProfile
+from planner.measurement import measured_step_time
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
 from planner.passes.step import LossFn
@@ -127,9 +129,15 @@ def plan_inplace(
     budget_bytes: int,
     solver: str = "auto",
     loss_fn: LossFn | None = None,
+    *,
+    device: DeviceProfile | None = None,
     **solver_opts: Any,
 ) -> InplacePlan:
-    """Price ``model``'s eager step, solve over its module calls, and return the plan."""
+    """Price ``model``'s eager step, solve over its module calls, and return the plan.
+
+    ``device``: the profile to price time for; None prices the model's own device, where its
+    ops are timed and fitted to its measured step (as ``planning.price`` does for a graph).
+    """
     solve = get_solver(solver)
     if solver not in SPAN_SOLVERS:
         raise UnsupportedModelError(
@@ -137,7 +145,16 @@ def plan_inplace(
             f"regions are module calls, which only {', '.join(map(repr, SPAN_SOLVERS))} keep "
             f"to. Use one of those, or plan with form='graph'."
         )
-    eg = eager_graph(model, example_input, loss_fn)
+    on_device = any(p.device.type != "meta" for p in model.parameters())
+    time_ops = device is None and on_device
+    eg = eager_graph(
+        model,
+        example_input,
+        loss_fn,
+        rates=device,
+        time_ops=time_ops,
+        step_time=measured_step_time(model, example_input, loss_fn) if time_ops else None,
+    )
     schedule = solve(eg.graph, budget_bytes, **solver_opts)
     return build_inplace_plan(model, eg, schedule, budget_bytes)
 

@@ -27,6 +27,7 @@ first. Gradients of input tensors that require grad are not restored.
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 import warnings
@@ -41,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from planner.passes.step import LossFn, call, split_input, training_loss
+from planner.passes.step import LossFn, StepTime, call, split_input, training_loss
 
 METHODS = ("auto", "tracker", "cuda", "profiler")
 
@@ -100,19 +101,11 @@ def measure(
         peak_bytes, saved_bytes, timeline, peak_event = measure_step[method](
             module_or_model, example_input, loss_fn, device
         )
-        times_s = []
-        for _ in range(repeats):
-            _clear_grads(module_or_model)
-            gc.collect()
-            _sync(device)
-            start_s = time.perf_counter()
-            _step(module_or_model, example_input, loss_fn)
-            _sync(device)
-            times_s.append(time.perf_counter() - start_s)
+        times = _timed_steps(module_or_model, example_input, loss_fn, device, repeats)
     return Measurement(
         peak_bytes=peak_bytes,
         saved_bytes=saved_bytes,
-        step_time_s=statistics.median(times_s),
+        step_time_s=times.step_s,
         timeline=tuple(timeline),
         method=method,
         peak_event=peak_event,
@@ -121,6 +114,68 @@ def measure(
 
 def _step(module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None) -> None:
     training_loss(call(module, example_input), loss_fn).backward()
+
+
+def time_step(
+    module_or_model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> StepTime:
+    """Wall time of a training step, forward (with the loss) and backward apart, untracked.
+
+    The median of ``repeats`` steps after ``warmup`` ones; state is restored as by :func:`measure`.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    device = _device_of(module_or_model, example_input)
+    with _restored_state(module_or_model, device):
+        for _ in range(warmup):
+            _clear_grads(module_or_model)
+            _step(module_or_model, example_input, loss_fn)
+        return _timed_steps(module_or_model, example_input, loss_fn, device, repeats)
+
+
+def measured_step_time(
+    module_or_model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None = None
+) -> StepTime | None:
+    """The step's time as a planner prices it on its own device: a warm-up step, then the
+    median of enough steps to fill a quarter of a second (3 to 15); None when the unplanned step
+    does not fit in the device's memory (the reason to plan)."""
+    try:
+        first = time_step(module_or_model, example_input, loss_fn, warmup=1, repeats=1)
+        repeats = min(15, max(3, math.ceil(0.25 / max(first.step_s, 1e-6))))
+        return time_step(module_or_model, example_input, loss_fn, warmup=0, repeats=repeats)
+    except torch.cuda.OutOfMemoryError:
+        return None
+
+
+def _timed_steps(
+    module: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None,
+    device: torch.device,
+    repeats: int,
+) -> StepTime:
+    forward_s, backward_s = [], []
+    # No gc.collect() between steps: walking every Python object evicts the caches and slows
+    # the next step of a small model by up to 2x, which a training loop never pays.
+    for _ in range(repeats):
+        _clear_grads(module)
+        _sync(device)
+        start_s = time.perf_counter()
+        loss = training_loss(call(module, example_input), loss_fn)
+        _sync(device)
+        backward_start_s = time.perf_counter()
+        loss.backward()
+        del loss
+        _sync(device)
+        forward_s.append(backward_start_s - start_s)
+        backward_s.append(time.perf_counter() - backward_start_s)
+    # Medians of each phase: they add up to the median step when the phases vary together.
+    return StepTime(statistics.median(forward_s), statistics.median(backward_s))
 
 
 # --- the CPU live-storage tracker --------------------------------------------------------------

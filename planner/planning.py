@@ -28,6 +28,7 @@ import torch
 
 from planner.devices import DeviceProfile, device_profile
 from planner.inplace import InplacePlan, apply_plan_file, plan_inplace
+from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
@@ -206,13 +207,15 @@ def price(
     # On the device itself, time the graph's own ops there; elsewhere (the meta device, or a
     # profile asked for) the roofline with the profile's rates is all there is.
     on_device = any(p.device.type != "meta" for p in model.parameters())
+    time_ops = profile is None and on_device
     graph = estimate(
         captured.module,
         captured.args,
         captured.kwargs,
         loss_fn=loss_fn,
         rates=profile,
-        time_ops=profile is None and on_device,
+        time_ops=time_ops,
+        step_time=measured_step_time(captured.module, example_input, loss_fn) if time_ops else None,
     )
     return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
 
@@ -248,7 +251,9 @@ def plan(
         device = device_profile(device)  # fail on an unknown profile before the slow part
     if form == "inplace":
         check_trainable(model)
-        return plan_inplace(model, example_input, budget_bytes, solver, loss_fn, **solver_opts)
+        return plan_inplace(
+            model, example_input, budget_bytes, solver, loss_fn, device=device, **solver_opts
+        )
     priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(budget_bytes, solver, **solver_opts)
 

@@ -47,6 +47,7 @@ class Node:
     tags: frozenset[str] = frozenset()
     state_bytes: int = 0
     saves_for_backward: bool = False
+    fwd_calls: int = 1  # aten ops its forward dispatches (each seen by a selective policy)
     # Measured runtimes of the node's forward / backward on the device (passes/op_timing.py);
     # None: priced by the roofline.
     fwd_time_s: float | None = None
@@ -117,9 +118,13 @@ class CostGraph:
     # Host<->device transfer rate that offload regions are charged at.
     offload_bytes_per_s: float = 1e10
     grad_buffers: tuple[GradBuffer, ...] | None = None
-    # What one checkpoint region adds to a step's time beyond recomputing its nodes (measured on
-    # the device by passes/op_timing.py; 0 for roofline prices).
+    # What a checkpoint region adds to a step's time beyond recomputing its nodes
+    # (region_overhead_time_s; measured on the device by passes/op_timing.py, 0 for roofline
+    # prices): once per region, per node in it that saves for backward, per node of a
+    # selective region.
     region_overhead_s: float = 0.0
+    saving_node_overhead_s: float = 0.0
+    selective_node_overhead_s: float = 0.0
     # Module-granular plans (applied in place to the user's own modules): the only node
     # intervals [start, stop) a region may cover, each the ops of one call of one submodule.
     # None: any interval of allowed cuts.
@@ -136,6 +141,17 @@ class CostGraph:
         flops = n.bwd_flops if backward else n.fwd_flops
         moved = n.bwd_bytes_accessed if backward else n.fwd_bytes_accessed
         return max(flops / self.flops_per_s, moved / self.bytes_per_s)
+
+    def region_overhead_time_s(self, region: Region) -> float:
+        """Seconds ``region``'s checkpoint bookkeeping adds to the step (see the fields above)."""
+        nodes = self.nodes[region.start : region.stop]
+        saving = sum(1 for n in nodes if n.saves_for_backward)
+        selective = len(nodes) if region.kind == "selective" else 0
+        return (
+            self.region_overhead_s
+            + saving * self.saving_node_overhead_s
+            + selective * self.selective_node_overhead_s
+        )
 
     @cached_property
     def step_time_s(self) -> float:

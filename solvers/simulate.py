@@ -74,7 +74,7 @@ class Simulation:
     offload_time_s: float
     timeline: tuple[tuple[str, int], ...]
     # Forward + backward (CostGraph.step_time_s) + recompute + offload transfers, unoverlapped,
-    # + each region's own bookkeeping (CostGraph.region_overhead_s).
+    # + each region's own bookkeeping (CostGraph.region_overhead_time_s).
     step_time_s: float = 0.0
 
 
@@ -478,5 +478,5 @@ def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
         step_time_s=graph.step_time_s
         + replay.recompute_time_s
         + offload_time_s
-        + len(schedule.regions) * graph.region_overhead_s,
+        + sum(graph.region_overhead_time_s(r) for r in schedule.regions),
     )

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.models import gpt_ref_small_example
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import call_overhead_s, checkpoint_overhead_s, op_call, time_calls
+from planner.passes.op_timing import call_overhead_s, checkpoint_overhead, op_call, time_calls
+from planner.passes.step import StepTime
 
 
 def test_identical_blocks_get_identical_measured_times():
     model, example = gpt_ref_small_example()
     c = capture(model, example)
     graph = estimate(c.module, c.args, c.kwargs, time_ops=True)
-    assert graph.meta["timing"] == "measured ops"
+    assert graph.meta["timing"].startswith("ops timed alone + ")
     assert all(n.fwd_time_s is not None and n.bwd_time_s is not None for n in graph.nodes)
     assert all(n.fwd_time_s >= 0 and n.bwd_time_s >= 0 for n in graph.nodes)
     assert graph.step_time_s == sum(n.fwd_time_s + n.bwd_time_s for n in graph.nodes)
@@ -40,18 +42,42 @@ def test_calls_are_timed_on_real_tensors_and_failures_left_to_the_roofline():
     assert call_overhead_s(torch.device("cpu")) >= 0
 
 
+def test_node_times_are_fitted_to_the_measured_step():
+    model, example = gpt_ref_small_example()
+    c = capture(model, example)
+    # A slow step: the difference is spread over the calls, so every node gets slower.
+    slow = estimate(c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1.0, 2.0))
+    assert sum(n.fwd_time_s for n in slow.nodes) == pytest.approx(1.0)
+    assert sum(n.bwd_time_s for n in slow.nodes) == pytest.approx(2.0)
+    assert "per call" in slow.meta["timing"]
+    # A step faster than its ops timed alone: they are scaled down alike.
+    fast = estimate(c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1e-6, 2e-6))
+    assert sum(n.fwd_time_s for n in fast.nodes) == pytest.approx(1e-6)
+    assert sum(n.bwd_time_s for n in fast.nodes) == pytest.approx(2e-6)
+    ratios = {n.fwd_time_s / t.fwd_time_s for n, t in zip(fast.nodes, slow.nodes) if n.fwd_time_s}
+    assert len(ratios) > 1  # not one factor on the fitted times: scaled from the alone times
+    assert "ops x 0.00" in fast.meta["timing"]
+
+
 def test_on_the_device_each_region_adds_its_measured_overhead_to_the_step():
     from planner.planning import price
 
     model, example = gpt_ref_small_example()
-    priced = price(model, example)  # model on the CPU: its ops timed here
+    priced = price(model, example)  # model on the CPU: its ops timed here, its step measured
     graph = priced.graph
-    assert graph.meta["timing"] == "measured ops"
-    assert graph.region_overhead_s == checkpoint_overhead_s(torch.device("cpu")) > 0
+    assert "fitted to the measured step" in graph.meta["timing"]
+    overhead = checkpoint_overhead(torch.device("cpu"))
+    assert graph.region_overhead_s == overhead.region_s
+    assert graph.saving_node_overhead_s == overhead.per_saving_node_s > 0
+    assert graph.selective_node_overhead_s == overhead.per_selective_node_s
     p = priced.plan(10**9, "uniform")
     assert p.regions
-    assert p.predicted_step_time_s == (
-        graph.step_time_s
-        + p.predicted_recompute_time_s
-        + len(p.schedule.regions) * graph.region_overhead_s
+    per_region = [
+        graph.region_overhead_s
+        + sum(n.saves_for_backward for n in graph.nodes[r.start : r.stop])
+        * graph.saving_node_overhead_s
+        for r in p.schedule.regions
+    ]
+    assert p.predicted_step_time_s == pytest.approx(
+        graph.step_time_s + p.predicted_recompute_time_s + sum(per_region)
     )
