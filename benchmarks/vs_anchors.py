@@ -3,12 +3,14 @@
 Anchors: eager; ``torch.utils.checkpoint`` on every block by hand; ``checkpoint_sequential`` with
 about sqrt(N) segments; selective activation checkpointing that saves matmul outputs; and
 ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` at 0.5 and 0.2.
-Then planner's rows: ``planner.plan`` with each anchor's measured peak as the budget. Then
+Then planner's rows: ``planner.plan`` with each anchor's measured peak as the budget (against
+the torch.compile anchors, planner's module compiled with the same backend). Then
 planner in place (``form="inplace"``, ``p.apply`` on a freshly built model: the model's own
 modules wrapped, op-level policies) at SAC's measured peak, at compile 0.5's measured peak and at
-50% of eager, with its predicted peak next to the measured one. The step times of eager, SAC,
-compile 0.5 and the in-place rows are medians of runs interleaved in this one process (one step
-of each in turn, ``--repeats`` rounds), so machine noise hits them alike.
+50% of eager, with its predicted peak next to the measured one. Every row's step time is the
+median of steps interleaved in this one process (one step of each row in turn, ``--repeats``
+rounds after a warm-up round), so machine noise hits them alike; planner's rows show their
+predicted step time beside it, and the rows are ranked by measured time as well as FLOPs.
 
 Every row is one ``planner.measure`` step (compiled rows via the profiler's allocation events,
 since a dispatch-mode tracker makes dynamo run eager). Recompute FLOPs % is the step's FLOPs over
@@ -25,7 +27,6 @@ checkpointing, on the forward and backward graphs inductor actually compiles for
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import platform
 import statistics
@@ -74,6 +75,7 @@ class Row:
     note: str = ""
     saved_bytes: int = 0  # kept for backward at the end of forward
     predicted_bytes: int = 0  # planner's predicted peak (0: not a planner row)
+    predicted_step_time_s: float = 0.0  # planner's predicted step time (0: not a planner row)
 
 
 # --- the anchors: each turns a fresh GPT into the module to measure -------------------------
@@ -286,10 +288,13 @@ def planner_rows(
     example: Example = gpt_ref_example,
     *,
     solver: str = "auto",
+    compile_backend: str = "inductor",
     repeats: int = 1,
+    keep: dict[str, nn.Module] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
-    """planner.plan at each anchor's measured peak as the budget, measured like the anchors."""
+    """planner.plan at each anchor's measured peak as the budget, measured like the anchors.
+    Against a torch.compile anchor, planner's module is compiled with the same backend."""
     import planner
 
     eager = anchors[0]
@@ -297,6 +302,9 @@ def planner_rows(
     for anchor in anchors[1:]:
         model, x = example()
         name = f"planner ({solver}) at {anchor.name}'s peak"
+        compiled = anchor.name.startswith("torch.compile")
+        if compiled:
+            name += f", compiled ({compile_backend})"
         start_s = time.perf_counter()
         try:
             plan = planner.plan(model, x, mem_budget_gb=anchor.peak_bytes / 1e9, solver=solver)
@@ -307,9 +315,24 @@ def planner_rows(
             continue
         plan_s = time.perf_counter() - start_s
         flops = step_flops(plan.module, x)
-        m = measure(plan.module, x, warmup=0, repeats=repeats)
+        module = plan.module
+        if compiled:
+            module = torch.compile(plan.module, backend=compile_backend)
+            start_s = time.perf_counter()
+            training_loss(call(module, x)).backward()  # compiles
+            plan_s += time.perf_counter() - start_s
+        m = measure(module, x, warmup=0, repeats=repeats)
         note = f"solver {plan.solver}, predicted {plan.predicted_peak_bytes / MiB:.1f} MiB"
-        rows.append(_row(name, m, flops, plan_s, note=note))
+        row = _row(name, m, flops, plan_s, note=note)
+        rows.append(
+            replace(
+                row,
+                predicted_bytes=plan.predicted_peak_bytes,
+                predicted_step_time_s=plan.predicted_step_time_s,
+            )
+        )
+        if keep is not None:
+            keep[name] = module
         log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
     return _relative(rows, eager)
 
@@ -369,7 +392,13 @@ def inplace_rows(
         if diverged:
             note += f"; {len(diverged)} region(s) ran other ops than planned (full recompute)"
         row = _row(name, m, flops, plan_s, note=note)
-        rows.append(replace(row, predicted_bytes=plan.predicted_peak_bytes))
+        rows.append(
+            replace(
+                row,
+                predicted_bytes=plan.predicted_peak_bytes,
+                predicted_step_time_s=plan.predicted_step_time_s,
+            )
+        )
         if keep is not None:
             keep[name] = fresh
         log(
@@ -383,13 +412,13 @@ def interleaved_step_times(
     modules: dict[str, nn.Module], example_input: Any, rounds: int
 ) -> dict[str, float]:
     """Median step time of each module, one step of each in turn per round, after one warmup
-    round: drifting machine load (other jobs on the cores) hits every module alike."""
+    round: drifting machine load (other jobs on the cores) hits every module alike. (No
+    gc.collect() between steps: it evicts the caches, which a training loop never does.)"""
     times: dict[str, list[float]] = {name: [] for name in modules}
     for r in range(rounds + 1):
         for name, module in modules.items():
             for p in module.parameters():
                 p.grad = None
-            gc.collect()
             start_s = time.perf_counter()
             training_loss(call(module, example_input)).backward()
             if r:
@@ -472,17 +501,21 @@ def inplace_verdicts(anchors: list[Row], ours: list[Row], compile_backend: str) 
 def to_markdown(rows: list[Row]) -> str:
     lines = [
         "| run | measured peak (MiB) | predicted peak (MiB) | saved for backward (MiB) "
-        "| recompute FLOPs % | step time ratio | plan/compile time (s) | measured by | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| recompute FLOPs % | step time (s) | predicted step time (s) | step time ratio "
+        "| plan/compile time (s) | measured by | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         if r.peak_bytes == 0 and r.method == "-":
-            lines.append(f"| {r.name} | — | — | — | — | — | {r.setup_time_s:.1f} | — | {r.note} |")
+            lines.append(
+                f"| {r.name} | — | — | — | — | — | — | — | {r.setup_time_s:.1f} | — | {r.note} |"
+            )
             continue
         predicted = f"{r.predicted_bytes / MiB:.2f}" if r.predicted_bytes else "—"
+        predicted_s = f"{r.predicted_step_time_s:.3f}" if r.predicted_step_time_s else "—"
         lines.append(
             f"| {r.name} | {r.peak_bytes / MiB:.2f} | {predicted} | {r.saved_bytes / MiB:.2f} "
-            f"| {r.recompute_flops_pct:+.1f} "
+            f"| {r.recompute_flops_pct:+.1f} | {r.step_time_s:.3f} | {predicted_s} "
             f"| {r.step_time_ratio:.2f} | {r.setup_time_s:.1f} | {r.method} | {r.note} |"
         )
     return "\n".join(lines)
@@ -506,8 +539,9 @@ def write_section(
 
 
 def verdicts(anchors: list[Row], ours: list[Row]) -> list[str]:
-    """One line per anchor: planner's recompute FLOPs at that anchor's measured peak (its rows
-    come in the anchors' order, eager excluded) against the anchor's own."""
+    """One line per anchor: planner's recompute FLOPs and measured step time at that anchor's
+    measured peak (its rows come in the anchors' order, eager excluded) against the anchor's
+    own; the time target is 5% below the anchor's."""
     lines = []
     for anchor, row in zip(anchors[1:], ours):
         if row.method == "-":
@@ -517,12 +551,25 @@ def verdicts(anchors: list[Row], ours: list[Row]) -> list[str]:
         # the table's rounding: equal at one decimal counts as equal
         below = round(row.recompute_flops_pct, 1) <= round(anchor.recompute_flops_pct, 1)
         verdict = "at or below" if fits and below else "**above**"
+        faster = row.step_time_s / anchor.step_time_s - 1.0
+        time_verdict = "met" if fits and faster <= -0.05 else "**missed**"
         lines.append(
             f"- {anchor.name}: planner {row.recompute_flops_pct:+.1f}% at "
             f"{row.peak_bytes / MiB:.1f} MiB vs {anchor.recompute_flops_pct:+.1f}% at "
-            f"{anchor.peak_bytes / MiB:.1f} MiB: {verdict}"
+            f"{anchor.peak_bytes / MiB:.1f} MiB: {verdict}; step time {row.step_time_s:.3f} s "
+            f"vs {anchor.step_time_s:.3f} s ({faster:+.1%}; 5% faster: {time_verdict})"
         )
     return lines
+
+
+def ranked_by_time(rows: list[Row]) -> list[str]:
+    """Every measured row, fastest step first, with its peak and recompute FLOPs."""
+    measured = sorted((r for r in rows if r.method != "-"), key=lambda r: r.step_time_s)
+    return [
+        f"{k}. {r.name}: {r.step_time_s:.3f} s, {r.peak_bytes / MiB:.1f} MiB, "
+        f"{r.recompute_flops_pct:+.1f}% FLOPs"
+        for k, r in enumerate(measured, 1)
+    ]
 
 
 def report(
@@ -540,8 +587,12 @@ def report(
     ``n_inplace`` rows are the in-place ones)."""
     anchors = rows[:n_anchors]
     ours = rows[n_anchors : len(rows) - n_inplace] if n_anchors else []
-    summary = ["", "Planner against each anchor, recompute FLOPs at equal measured peak:"]
+    summary = [
+        "",
+        "Planner against each anchor at equal measured peak, recompute FLOPs and step time:",
+    ]
     summary += verdicts(anchors, ours)
+    summary += ["", "Ranked by measured step time:", "", *ranked_by_time(rows)]
     targets = ["", "planner in place against the issue's targets:", *(inplace_lines or [])]
     return "\n".join(
         [
@@ -586,7 +637,7 @@ def main(argv: list[str] | None = None) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="timed steps per row (median); rounds of interleaved steps for the in-place rows",
+        help="rounds of interleaved steps (one step of every row each): step time is the median",
     )
     args = parser.parse_args(argv)
     if args.inplace_only and args.no_inplace:
@@ -608,7 +659,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     n_anchors = len(rows)
     if not (args.no_planner or args.inplace_only):
-        rows += planner_rows(rows, example, solver=args.solver, repeats=args.repeats)
+        rows += planner_rows(
+            rows,
+            example,
+            solver=args.solver,
+            compile_backend=args.compile_backend,
+            repeats=args.repeats,
+            keep=keep,
+        )
     lines = None
     n_inplace = 0
     if not args.no_inplace:
@@ -621,9 +679,10 @@ def main(argv: list[str] | None = None) -> None:
             keep=keep,
         )
         n_inplace = len(ours)
-        timed = ["eager", SAC, compile_row_name(args.compile_backend, 0.5), *(r.name for r in ours)]
-        modules = {name: keep[name] for name in timed if name in keep}
-        rows = with_interleaved_times(rows + ours, modules, example()[1], args.repeats)
+        rows += ours
+    # Every row's step time from the same interleaved rounds, so noise hits them alike.
+    rows = with_interleaved_times(rows, keep, example()[1], args.repeats)
+    if n_inplace:
         lines = inplace_verdicts(
             rows[:n_anchors], rows[len(rows) - n_inplace :], args.compile_backend
         )

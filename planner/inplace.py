@@ -103,6 +103,12 @@ class InplacePlan:
     def predicted_recompute_time_s(self) -> float:
         return 0.0 if self.simulation is None else self.simulation.recompute_time_s
 
+    @property
+    def predicted_step_time_s(self) -> float:
+        """Forward + backward + recomputation + checkpoint overhead of one step, in seconds
+        (0 for a plan read from a file: it was not priced here)."""
+        return 0.0 if self.simulation is None else self.simulation.step_time_s
+
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model``'s own region modules in place; returns the same object."""
         check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")

@@ -5,8 +5,10 @@ from benchmarks.vs_anchors import SAC, Row, compile_row_name, inplace_verdicts, 
 MIB = 2**20
 
 
-def row(name: str, peak_mib: float, flops_pct: float, method: str = "tracker") -> Row:
-    return Row(name, int(peak_mib * MIB), 0, 1.0, 0.0, method, recompute_flops_pct=flops_pct)
+def row(
+    name: str, peak_mib: float, flops_pct: float, method: str = "tracker", step_s: float = 1.0
+) -> Row:
+    return Row(name, int(peak_mib * MIB), 0, step_s, 0.0, method, recompute_flops_pct=flops_pct)
 
 
 def test_verdicts_compare_planner_with_each_anchor_at_its_peak():
@@ -14,10 +16,14 @@ def test_verdicts_compare_planner_with_each_anchor_at_its_peak():
     ours = [row("planner at every block", 105, 25.4), row("planner at SAC", 386, 1.6)]
     lines = verdicts(anchors, ours)
     assert lines[0].startswith("- every block: planner +25.4% at 105.0 MiB vs +32.6%")
-    assert lines[0].endswith("at or below")
-    assert lines[1].endswith("**above**")  # fewer bytes, but more recomputation
+    assert "at or below; step time 1.000 s vs 1.000 s (+0.0%; 5% faster: **missed**)" in lines[0]
+    assert "**above**;" in lines[1]  # fewer bytes, but more recomputation
     # Over the anchor's peak is never "at or below", whatever the FLOPs.
-    assert verdicts(anchors[:2], [row("p", 108, 0.0)])[0].endswith("**above**")
+    assert "**above**;" in verdicts(anchors[:2], [row("p", 108, 0.0)])[0]
+    # 5% faster at or below the anchor's peak meets the time target; 4% does not.
+    fast = verdicts(anchors[:2], [row("p", 100, 30.0, step_s=0.95)])[0]
+    assert fast.endswith("(-5.0%; 5% faster: met)")
+    assert verdicts(anchors[:2], [row("p", 100, 30.0, step_s=0.96)])[0].endswith("**missed**)")
     refused = Row("p", 0, 0, 0.0, 1.0, "-", note="InfeasibleBudgetError: ...")
     assert "refused" in verdicts(anchors[:2], [refused])[0]
 
@@ -25,8 +31,10 @@ def test_verdicts_compare_planner_with_each_anchor_at_its_peak():
 def test_report_adds_the_verdicts_only_with_planner_rows():
     anchors = [row("eager", 750, 0.0), row("every block", 107, 32.6)]
     assert "Planner against" not in report(anchors, 1.0, "t")
-    text = report([*anchors, row("planner", 100, 20.0)], 1.0, "t", n_anchors=2)
+    text = report([*anchors, row("planner", 100, 20.0, step_s=0.5)], 1.0, "t", n_anchors=2)
     assert "- every block: planner +20.0% at 100.0 MiB" in text
+    ranked = text.split("Ranked by measured step time:")[1].split("\n")
+    assert ranked[2].startswith("1. planner: 0.500 s, 100.0 MiB, +20.0% FLOPs")
 
 
 def test_inplace_verdicts_hold_each_row_to_the_issue_targets():
