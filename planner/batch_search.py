@@ -2,8 +2,9 @@
 
 Checkpointing frees activations, which lets the batch grow, and a larger batch can more than pay
 for the recomputation: samples/s = batch size / step time. For each batch size this prices one
-training step (``planning.price``), lets a solver find the fastest plan under the cap (solvers
-minimise predicted recompute time; forward and backward are fixed for a given batch), and
+training step (the model's own eager step for in-place plans, ``inplace.price_inplace``, the
+default; its captured graph, ``planning.price``, for form="graph"), lets a solver find the
+fastest plan under the cap (solvers minimise predicted step time), and
 predicts its peak and step time; the winner has the most predicted samples per second.
 
 Every figure here is a prediction: peaks from ``solvers/simulate.py``, times from the step-time
@@ -21,11 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from planner.devices import DeviceProfile, device_profile
+from planner.inplace import InplacePlan, build_inplace_plan, check_span_solver, price_inplace
 from planner.passes.step import LossFn
-from planner.planning import Plan, budget_bytes_from_gb, price
+from planner.planning import FORMS, Plan, budget_bytes_from_gb, price
 from planner.report import format_bytes, format_ms
+from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import get_solver
+from planner.solvers.simulate import simulate
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -63,11 +67,12 @@ class BatchFit:
     device: str
     best_batch_size: int
     # batch size -> its plan, for every row that fits
-    plans: Mapping[int, Plan] = field(repr=False, compare=False)
+    plans: Mapping[int, Plan | InplacePlan] = field(repr=False, compare=False)
 
     @property
-    def plan(self) -> Plan:
-        """The winner's plan: ``save()`` it, or train ``plan.module`` at the winner's batch."""
+    def plan(self) -> Plan | InplacePlan:
+        """The winner's plan: ``save()`` it, or carry it out at the winner's batch
+        (``plan.apply(model)`` in place; ``plan.module`` in the graph form)."""
         return self.plans[self.best_batch_size]
 
     @property
@@ -190,6 +195,28 @@ def doubling(start: int = 1, stop: int = MAX_BATCH_SIZE) -> Iterable[int]:
     return itertools.takewhile(lambda b: b <= stop, (start << k for k in itertools.count()))
 
 
+def _priced(
+    model: torch.nn.Module,
+    example_input: Any,
+    cap_bytes: int,
+    solver: str,
+    loss_fn: LossFn | None,
+    profile: DeviceProfile | None,
+    form: str,
+) -> tuple[CostGraph, Callable[..., Plan | InplacePlan]]:
+    """One batch size priced in ``form``, and how to plan it under the cap."""
+    if form == "inplace":
+        eg = price_inplace(model, example_input, loss_fn, device=profile)
+
+        def solve(**solver_opts: Any) -> InplacePlan:
+            schedule = get_solver(solver)(eg.graph, cap_bytes, **solver_opts)
+            return build_inplace_plan(model, eg, schedule, cap_bytes)
+
+        return eg.graph, solve
+    priced = price(model, example_input, loss_fn=loss_fn, device=profile)
+    return priced.graph, lambda **solver_opts: priced.plan(cap_bytes, solver, **solver_opts)
+
+
 def fit_batch(
     model: torch.nn.Module,
     make_input: Callable[[int], Any],
@@ -200,6 +227,7 @@ def fit_batch(
     *,
     loss_fn: LossFn | None = None,
     max_batch_size: int = MAX_BATCH_SIZE,
+    form: str = "inplace",
     **solver_opts: Any,
 ) -> BatchFit:
     """Find the micro-batch size with the most predicted samples/s whose step fits the cap.
@@ -208,13 +236,18 @@ def fit_batch(
     the sizes to try; None doubles from 1 (1, 2, 4, ...) and stops at the first size even the
     least-memory plan cannot fit (or at ``max_batch_size``). ``mem_budget_gb``: the cap on one
     step's peak, in decimal GB, as for ``planner.plan``. ``device``: whose time to predict, as
-    for ``planner.plan`` (None: the model's own device, its ops timed there).
+    for ``planner.plan`` (None: the model's own device, its ops timed there). ``form``: the
+    plans' form, as for ``planner.plan``: "inplace" (apply the winner to your model with
+    ``fit.plan.apply(model)``) or "graph" (train ``fit.plan.module``).
 
     Raises ``InfeasibleBudgetError`` when no batch size tried fits, with the least budget of
     the smallest one.
     """
     cap_bytes = budget_bytes_from_gb(mem_budget_gb)
-    get_solver(solver)  # fail on an unknown solver before the slow part
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    # fail on an unknown solver before the slow part
+    check_span_solver(solver) if form == "inplace" else get_solver(solver)
     profile = None if device is None else device_profile(device)
     sweep = batch_sizes is None
     sizes = list(doubling(1, max_batch_size)) if sweep else sorted(set(batch_sizes or ()))
@@ -223,23 +256,22 @@ def fit_batch(
             f"batch_sizes must be positive integers, e.g. [1, 2, 4, 8]; got {batch_sizes!r}"
         )
     rows: list[BatchRow] = []
-    plans: dict[int, Plan] = {}
+    plans: dict[int, Plan | InplacePlan] = {}
     best: tuple[float, int] | None = None
     device_name = ""
     for b in sizes:
-        priced = price(model, make_input(b), loss_fn=loss_fn, device=profile)
-        graph = priced.graph
+        graph, solve = _priced(model, make_input(b), cap_bytes, solver, loss_fn, profile, form)
         device_name = graph.meta.get("device", "") + (
-            " (ops timed)" if graph.meta.get("timing") == "measured ops" else " (roofline)"
+            " (ops timed)" if graph.meta["timing"].startswith("ops timed") else " (roofline)"
         )
         eager_s = graph.step_time_s
         eager = dict(
-            eager_peak_bytes=priced.eager_peak_bytes,
+            eager_peak_bytes=simulate(graph, Schedule()).peak_bytes,
             eager_step_time_s=eager_s,
             eager_samples_per_s=b / eager_s,
         )
         try:
-            p = priced.plan(cap_bytes, solver, **solver_opts)
+            p = solve(**solver_opts)
         except InfeasibleBudgetError as e:
             rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
             if sweep:

@@ -129,6 +129,41 @@ def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple((path, type(m).__name__) for path, m in model.named_modules())
 
 
+def check_span_solver(solver: str) -> None:
+    """UnsupportedModelError for a solver whose regions need not be module calls."""
+    get_solver(solver)  # an unknown name fails with the registry's own message
+    if solver not in SPAN_SOLVERS:
+        raise UnsupportedModelError(
+            f"solver {solver!r} places regions between arbitrary nodes; an in-place plan's "
+            f"regions are module calls, which only {', '.join(map(repr, SPAN_SOLVERS))} keep "
+            f"to. Use one of those, or plan with form='graph'."
+        )
+
+
+def price_inplace(
+    model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    device: DeviceProfile | None = None,
+) -> EagerGraph:
+    """Price ``model``'s eager step for an in-place plan.
+
+    ``device``: the profile to price time for; None prices the model's own device, where its
+    ops are timed and fitted to its measured step (as ``planning.price`` does for a graph).
+    """
+    on_device = any(p.device.type != "meta" for p in model.parameters())
+    time_ops = device is None and on_device
+    return eager_graph(
+        model,
+        example_input,
+        loss_fn,
+        rates=device,
+        time_ops=time_ops,
+        step_time=measured_step_time(model, example_input, loss_fn) if time_ops else None,
+    )
+
+
 def plan_inplace(
     model: torch.nn.Module,
     example_input: Any,
@@ -139,29 +174,11 @@ def plan_inplace(
     device: DeviceProfile | None = None,
     **solver_opts: Any,
 ) -> InplacePlan:
-    """Price ``model``'s eager step, solve over its module calls, and return the plan.
-
-    ``device``: the profile to price time for; None prices the model's own device, where its
-    ops are timed and fitted to its measured step (as ``planning.price`` does for a graph).
-    """
-    solve = get_solver(solver)
-    if solver not in SPAN_SOLVERS:
-        raise UnsupportedModelError(
-            f"solver {solver!r} places regions between arbitrary nodes; an in-place plan's "
-            f"regions are module calls, which only {', '.join(map(repr, SPAN_SOLVERS))} keep "
-            f"to. Use one of those, or plan with form='graph'."
-        )
-    on_device = any(p.device.type != "meta" for p in model.parameters())
-    time_ops = device is None and on_device
-    eg = eager_graph(
-        model,
-        example_input,
-        loss_fn,
-        rates=device,
-        time_ops=time_ops,
-        step_time=measured_step_time(model, example_input, loss_fn) if time_ops else None,
-    )
-    schedule = solve(eg.graph, budget_bytes, **solver_opts)
+    """Price ``model``'s eager step (:func:`price_inplace`), solve over its module calls, and
+    return the plan."""
+    check_span_solver(solver)
+    eg = price_inplace(model, example_input, loss_fn, device=device)
+    schedule = get_solver(solver)(eg.graph, budget_bytes, **solver_opts)
     return build_inplace_plan(model, eg, schedule, budget_bytes)
 
 

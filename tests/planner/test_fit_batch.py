@@ -8,7 +8,10 @@ import torch
 import planner
 from benchmarks.models import GPT, GPT_REF_SMALL
 from planner.batch_search import BatchFit
+from planner.devices import device_profile
+from planner.inplace import price_inplace
 from planner.planning import price
+from planner.solvers.dp import solve_dp
 
 
 def gpt_small():
@@ -39,7 +42,7 @@ def test_sweep_doubles_stops_at_first_misfit_and_every_peak_fits_measured():
         p = fit.plans[r.batch_size]
         assert r.predicted_peak_bytes == p.predicted_peak_bytes <= fit.cap_bytes
         assert r.samples_per_s == pytest.approx(r.batch_size / p.predicted_step_time_s)
-        measured = planner.measure(p.module, make_input(r.batch_size))
+        measured = planner.measure(p.apply(gpt_small()), make_input(r.batch_size))
         assert measured.peak_bytes <= fit.cap_bytes, (r.batch_size, measured.peak_bytes)
     winner = max((r for r in fit.rows if r.fits), key=lambda r: r.samples_per_s)
     assert fit.best_batch_size == winner.batch_size and fit.plan is fit.plans[winner.batch_size]
@@ -47,9 +50,9 @@ def test_sweep_doubles_stops_at_first_misfit_and_every_peak_fits_measured():
 
 def test_cap_below_every_plan_at_batch_1_says_no_batch_size_fits():
     model = gpt_small()
-    least = price(model, make_input(1), device="cpu")
+    priced = price_inplace(model, make_input(1), device=device_profile("cpu"))
     with pytest.raises(planner.InfeasibleBudgetError) as info:
-        least.plan(1000, "dp")
+        solve_dp(priced.graph, 1000)
     least_bytes = info.value.min_bytes
     with pytest.raises(planner.InfeasibleBudgetError) as info:
         planner.fit_batch(model, make_input, 1e-6, device="cpu")
@@ -87,3 +90,15 @@ def test_table_dataframe_and_plot():
 def test_bad_batch_sizes_are_refused():
     with pytest.raises(ValueError, match="batch_sizes must be positive integers"):
         planner.fit_batch(gpt_small(), make_input, 1, batch_sizes=[0, 2], device="cpu")
+
+
+def test_the_graph_form_sweeps_the_captured_graph():
+    model = gpt_small()
+    fit = planner.fit_batch(model, make_input, 100, batch_sizes=[1, 2], device="cpu", form="graph")
+    for r in fit.rows:
+        assert r.eager_peak_bytes == price(model, make_input(r.batch_size)).eager_peak_bytes
+    assert isinstance(fit.plan.module, torch.fx.GraphModule)
+    with pytest.raises(planner.UnsupportedModelError, match="module calls"):
+        planner.fit_batch(model, make_input, 100, solver="greedy", device="cpu")
+    with pytest.raises(ValueError, match="form must be one of"):
+        planner.fit_batch(model, make_input, 100, device="cpu", form="module")
