@@ -132,14 +132,16 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
     print(f"fit_batch in {time.perf_counter() - t0:.1f} s")
     print(fit)
     rows = [r for r in fit.rows if r.fits]
-    inputs = {r.batch_size: factory(r.batch_size)[1] for r in rows}
-    peaks = {}
-    samples: dict[int, list[float]] = {r.batch_size: [] for r in rows}
-    for k in range(repeats):
-        for r in rows:
-            m = planner.measure(fit.plans[r.batch_size].module, inputs[r.batch_size], warmup=k == 0)
-            peaks.setdefault(r.batch_size, m.peak_bytes)
-            samples[r.batch_size].append(m.step_time_s)
+    # Each winner applied in place to a freshly built model, as a training script would.
+    modules, inputs = {}, {}
+    for r in rows:
+        fresh, inputs[r.batch_size] = factory(r.batch_size)
+        modules[r.batch_size] = fit.plans[r.batch_size].apply(fresh)
+    peaks = {b: planner.measure(m, inputs[b]).peak_bytes for b, m in modules.items()}
+    samples: dict[int, list[float]] = {b: [] for b in modules}
+    for _ in range(repeats):
+        for b, m in modules.items():
+            samples[b].append(time_step(m, inputs[b], repeats=1).step_s)
     print(
         f"\n## fit_batch on {name}: cap = eager's measured peak at batch {cap_batch}, "
         f"{cap_bytes / 2**20:.2f} MiB\n"
