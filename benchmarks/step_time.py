@@ -90,14 +90,20 @@ def run(name: str, fractions: list[float], repeats: int) -> list[float]:
             plans[(solver, fraction)] = p
     samples: dict[tuple[str, float], list[float]] = {key: [] for key in plans}
     eager_samples: list[float] = []
-    # Each round times every module once: one warm-up step (the previous module's left the
-    # caches cold, which a training loop repeating one module never sees), then the median of
-    # three steps.
+    # Each round times every module once. A small model's step: one warm-up step first (the
+    # previous module left the caches cold, which a training loop repeating one module never
+    # sees), then the median of three; a large one's (over 0.2 s): one step.
+    small = priced.graph.step_time_s < 0.2
+    warmup, steps = (1, 3) if small else (0, 1)
+
+    def timed_s(module: torch.nn.Module) -> float:
+        return time_step(module, example, warmup=warmup, repeats=steps).step_s
+
     for _ in range(repeats):
         # The captured graph without regions: what the plans' predictions start from.
-        eager_samples.append(time_step(priced.module, example, repeats=3).step_s)
+        eager_samples.append(timed_s(priced.module))
         for key, p in plans.items():
-            samples[key].append(time_step(p.module, example, repeats=3).step_s)
+            samples[key].append(timed_s(p.module))
     eager_s = statistics.median(eager_samples)
     print(
         f"\n## {name}: priced in {price_s:.1f} s ({priced.graph.meta.get('timing')}); "

@@ -388,7 +388,10 @@ def inplace_rows(
             warnings.simplefilter("always")
             m = measure(fresh, x, warmup=0, repeats=repeats)
         diverged = [w for w in caught if "ran other operations" in str(w.message)]
-        note = f"solver {plan.solver}, {len(plan.regions)} regions"
+        note = (
+            f"solver {plan.solver}, {len(plan.regions)} regions, predicted step without regions "
+            f"{plan.graph.step_time_s:.3f} s"
+        )
         if diverged:
             note += f"; {len(diverged)} region(s) ran other ops than planned (full recompute)"
         row = _row(name, m, flops, plan_s, note=note)
