@@ -144,14 +144,23 @@ class CostGraph:
 
     def region_overhead_time_s(self, region: Region) -> float:
         """Seconds ``region``'s checkpoint bookkeeping adds to the step (see the fields above)."""
-        nodes = self.nodes[region.start : region.stop]
-        saving = sum(1 for n in nodes if n.saves_for_backward)
-        selective = len(nodes) if region.kind == "selective" else 0
-        return (
-            self.region_overhead_s
-            + saving * self.saving_node_overhead_s
-            + selective * self.selective_node_overhead_s
-        )
+        return self.checkpoint_overhead_s(region.start, region.stop, region.kind)
+
+    def checkpoint_overhead_s(self, start: int, stop: int, kind: str = "recompute") -> float:
+        """What a region of ``kind`` over nodes [start, stop) adds beyond its recomputation."""
+        saving, calls = self._overhead_prefix
+        overhead_s = self.region_overhead_s + (saving[stop] - saving[start])
+        if kind == "selective":
+            overhead_s += calls[stop] - calls[start]
+        return overhead_s
+
+    @cached_property
+    def _overhead_prefix(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        saving, calls = [0.0], [0.0]
+        for n in self.nodes:
+            saving.append(saving[-1] + n.saves_for_backward * self.saving_node_overhead_s)
+            calls.append(calls[-1] + self.selective_node_overhead_s)
+        return tuple(saving), tuple(calls)
 
     @cached_property
     def step_time_s(self) -> float:

@@ -57,6 +57,7 @@ import bisect
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -133,6 +134,8 @@ class _Prices:
     bounds: tuple[int, ...]  # cuts a region boundary may use (solvers/cuts.py region_bounds)
     grad_at_raw: tuple[int, ...]  # grad_at_bwd and grad_after in bytes, for differences
     grad_after_raw: tuple[int, ...]
+    # seconds a region of this kind over [start, stop) adds beyond its recomputation
+    overhead_s: Callable[[int, int, str], float]
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -206,6 +209,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         bounds=tuple(region_bounds(graph)),
         grad_at_raw=tuple(g + total for g in grad_at),
         grad_after_raw=tuple(g + total for g in grad_after),
+        overhead_s=graph.checkpoint_overhead_s,
     )
 
 
@@ -370,6 +374,7 @@ class _Programme:
         if rest[-1] == INF:
             return best
         cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
+        cost += p.overhead_s(c, j, "selective")
         need = max(fwd, held + p.grad_after[j] + inner)
         v = _shifted(rest, kept_bytes) + cost
         v[: max(need, 0)] = INF
@@ -549,7 +554,7 @@ class _Programme:
                     continue
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
                 v = _shifted(inner, inner_shift) + _shifted(rest, kept_bytes)
-                v += p.prefix_time_s[j] - p.prefix_time_s[c]
+                v += p.prefix_time_s[j] - p.prefix_time_s[c] + p.overhead_s(c, j, "recompute")
                 v[:fwd] = INF
                 better = v < best
                 if better.any():

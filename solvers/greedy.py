@@ -88,7 +88,7 @@ def solve_greedy(graph: CostGraph, budget_bytes: float, options: GreedyOptions) 
         sim = simulate(graph, Schedule(regions))
         least = sim.peak_bytes if least is None else min(least, sim.peak_bytes)
         if sim.peak_bytes <= budget_bytes:
-            key = (sim.recompute_time_s, sim.peak_bytes, regions)
+            key = (sim.step_time_s, sim.peak_bytes, regions)
             if best is None or key[:2] < best[:2]:
                 best = key
     if best is None:

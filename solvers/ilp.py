@@ -103,7 +103,15 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
     p = prices(graph)
     n = p.n
     mdl = Model()
-    x = [mdl.var(p.prefix_time_s[r.stop] - p.prefix_time_s[r.start], integer=True) for r in regions]
+    x = [
+        mdl.var(
+            p.prefix_time_s[r.stop]
+            - p.prefix_time_s[r.start]
+            + p.overhead_s(r.start, r.stop, r.kind),
+            integer=True,
+        )
+        for r in regions
+    ]
     covering: list[list[int]] = [[] for _ in range(n)]  # candidates containing node i
     for k, r in enumerate(regions):
         for i in range(r.start, r.stop):

@@ -1,0 +1,79 @@
+"""Checkpoint overhead in the objective: dp and ilp minimise recomputation plus what each region
+costs to run (CostGraph.checkpoint_overhead_s), as simulate prices a step."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.dp import solve_dp
+from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.ilp import solve_ilp
+from planner.solvers.simulate import simulate
+from tests.solvers.brute import families
+from tests.solvers.synthetic import random_chain
+
+
+def _with_overhead(graph: CostGraph, rng: random.Random) -> CostGraph:
+    # Per region only: marking nodes as saving would also switch on simulate's early stop
+    # (Rule 5), where dp is not exact yet (tests/solvers/test_dp_exactness.py).
+    mean_s = graph.step_time_s / len(graph.nodes)
+    return dataclasses.replace(graph, region_overhead_s=rng.uniform(0, 2) * mean_s)
+
+
+def _extra_s(graph: CostGraph, schedule: Schedule) -> float:
+    """What the schedule adds to the step: recomputation and its regions' overhead."""
+    return simulate(graph, schedule).step_time_s - graph.step_time_s
+
+
+def test_overhead_adds_per_region_per_saving_node_and_per_selective_node():
+    graph = random_chain(random.Random(1), 4)
+    nodes = tuple(
+        dataclasses.replace(n, saves_for_backward=i != 1) for i, n in enumerate(graph.nodes)
+    )
+    graph = dataclasses.replace(
+        graph,
+        nodes=nodes,
+        region_overhead_s=1.0,
+        saving_node_overhead_s=0.25,
+        selective_node_overhead_s=0.125,
+    )
+    assert graph.checkpoint_overhead_s(0, 3) == 1.0 + 2 * 0.25  # node 1 saves nothing
+    assert graph.checkpoint_overhead_s(0, 3, "selective") == 1.0 + 2 * 0.25 + 3 * 0.125
+    regions = (Region(0, 2), Region(2, 4))
+    sim = simulate(graph, Schedule(regions))
+    assert sim.step_time_s == pytest.approx(
+        graph.step_time_s + sim.recompute_time_s + (1.0 + 0.25) + (1.0 + 2 * 0.25)
+    )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 5))
+def test_dp_and_ilp_minimise_recomputation_plus_overhead(seed, n):
+    rng = random.Random(seed)
+    graph = _with_overhead(random_chain(rng, n), rng)
+    forbidden = forbidden_cuts(graph)
+    scored = []
+    for family in families(0, n):
+        if any(r.start in forbidden or r.stop in forbidden for r in family):
+            continue
+        schedule = Schedule(tuple(family))
+        scored.append((_extra_s(graph, schedule), simulate(graph, schedule).peak_bytes))
+    eager = simulate(graph, Schedule()).peak_bytes
+    least = min(peak for _, peak in scored)
+    for budget in (least, rng.randint(least, eager), eager):
+        want = min(t for t, peak in scored if peak <= budget)
+        got = solve_dp(graph, budget, max_span=None)
+        assert simulate(graph, got).peak_bytes <= budget
+        assert _extra_s(graph, got) == pytest.approx(want, abs=1e-9), got.regions
+        try:
+            by_ilp = solve_ilp(graph, budget)
+        except InfeasibleBudgetError:
+            continue  # ilp's candidate regions need not reach every budget brute force does
+        assert _extra_s(graph, by_ilp) >= want - 1e-9
