@@ -1,17 +1,20 @@
 """``dp``: a Rotor-style dynamic programme over the linearised graph.
 
-Its one claim: among the schedules of its space, dp finds one of least recompute time whose
-peak *by its own prices* fits the budget, and its own prices are never below ``simulate``'s.
-Its prices are ``simulate``'s Rules 1-4 and 6-10 with one difference: every region is priced
-as recomputed to its end (``simulate``'s Rule 5, early stop, is left out). So every plan it
-returns fits under ``simulate``; on graphs where Rule 5 is off (hand-built ones, which do not
-say where saves are) the two models coincide and dp is optimal for ``simulate`` (asserted
-against brute force on random chains in ``tests/solvers/test_dp_exactness.py``, which also
-states the cases where it is not: early stop, and one nested DAG); on estimated graphs it may
-plan above the cheapest schedule ``simulate`` would accept. A selective region's working set
-comes from ``simulate.region_peak``; ``Schedule.gap`` is 0.0 only when the space was every
-interval of the uncoarsened graph on a 1-byte grid without Rule 5, and the note names the
-space searched.
+Its claim: among the laminar families of recompute regions of its space, dp finds one of
+least recompute time whose peak *by simulate* fits the budget. Its prices are ``simulate``'s
+Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its last save,
+the last saving node stops after that save, and a nested region that is the last save is not
+run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule 3: to
+the end of the nested region's own recomputation unless it saves them). Asserted against brute
+force (every laminar family, scored by ``simulate``) at every budget on random chains, DAGs with
+skips and held storages, and chains with in-place writes, with Rule 5 on and off
+(``tests/solvers/test_dp_exactness.py``). Not in that exact space, and priced by upper bounds
+instead: selective regions (recomputed to their end, their cache held for the whole region,
+from ``simulate.region_peak``), and two rules estimated graphs use: Python-held storages
+(``Tensor.freed_after``, Rule 1) and buffer copies (Rule 9) -- :func:`solve_dp` replays its
+answer through ``simulate``. ``Schedule.gap`` is 0.0 only when the space was every interval of
+the uncoarsened graph on a 1-byte grid and the graph uses neither of those two rules; the note
+names the space searched.
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -862,8 +865,9 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
     space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
     eager = simulate(graph, Schedule()).peak_bytes
     every, note = _space(graph, options)
-    # Optimal for simulate only where its prices are simulate's: without early stop (Rule 5).
-    every = every and not any(nd.saves_for_backward for nd in graph.nodes)
+    # Optimal for simulate only where its prices are simulate's (see the module docstring).
+    every = every and not any(nd.state_bytes for nd in graph.nodes)
+    every = every and not any(t.freed_after > t.producer for t in graph.tensors)
     for with_selective in (True, False) if options.selective else (False,):
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
