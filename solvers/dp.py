@@ -1,17 +1,20 @@
 """``dp``: a Rotor-style dynamic programme over the linearised graph.
 
-Its one claim: among the schedules of its space, dp finds one of least recompute time whose
-peak *by its own prices* fits the budget, and its own prices are never below ``simulate``'s.
-Its prices are ``simulate``'s Rules 1-4 and 6-10 with one difference: every region is priced
-as recomputed to its end (``simulate``'s Rule 5, early stop, is left out). So every plan it
-returns fits under ``simulate``; on graphs where Rule 5 is off (hand-built ones, which do not
-say where saves are) the two models coincide and dp is optimal for ``simulate`` (asserted
-against brute force on random chains in ``tests/solvers/test_dp_exactness.py``, which also
-states the cases where it is not: early stop, and one nested DAG); on estimated graphs it may
-plan above the cheapest schedule ``simulate`` would accept. A selective region's working set
-comes from ``simulate.region_peak``; ``Schedule.gap`` is 0.0 only when the space was every
-interval of the uncoarsened graph on a 1-byte grid without Rule 5, and the note names the
-space searched.
+Its claim: among the laminar families of recompute regions of its space, dp finds one of
+least recompute time whose peak *by simulate* fits the budget. Its prices are ``simulate``'s
+Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its last save,
+the last saving node stops after that save, and a nested region that is the last save is not
+run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule 3: to
+the end of the nested region's own recomputation unless it saves them). Asserted against brute
+force (every laminar family, scored by ``simulate``) at every budget on random chains, DAGs with
+skips and held storages, and chains with in-place writes, with Rule 5 on and off
+(``tests/solvers/test_dp_exactness.py``). Not in that exact space, and priced by upper bounds
+instead: selective regions (recomputed to their end, their cache held for the whole region,
+from ``simulate.region_peak``), and two rules estimated graphs use: Python-held storages
+(``Tensor.freed_after``, Rule 1) and buffer copies (Rule 9) -- :func:`solve_dp` replays its
+answer through ``simulate``. ``Schedule.gap`` is 0.0 only when the space was every interval of
+the uncoarsened graph on a 1-byte grid and the graph uses neither of those two rules; the note
+names the space searched.
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -70,9 +73,13 @@ from planner.solvers.greedy import GreedyOptions, solve_greedy
 from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.revolve import RevolveOptions, solve_revolve
 from planner.solvers.selective import is_matmul, out_bytes, worth_keeping
-from planner.solvers.simulate import gradient_bytes, region_peak, simulate
+from planner.solvers.simulate import gradient_bytes, region_peak, rule5_saves, simulate
 
 INF = math.inf
+# A crossing storage's flag: False (read later in the context), True (kept for backward), or
+# ARG: an argument of the region being recomputed, alive to the end of its recomputation and
+# no longer (simulate's Rule 3).
+ARG = 2
 DEFAULT_SPAN = 8
 DEFAULT_COARSE = 24
 DEFAULT_GRID = 2048
@@ -136,6 +143,10 @@ class _Prices:
     grad_after_raw: tuple[int, ...]
     # seconds a region of this kind over [start, stop) adds beyond its recomputation
     overhead_s: Callable[[int, int, str], float]
+    # See simulate's Rule 5: the nodes whose saves a recomputation counts (None: it runs to the
+    # region's end), and the storages a node allocates after its last save.
+    rule5_saves: tuple[bool, ...] | None
+    after_last_save: tuple[bool, ...]
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -210,6 +221,8 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         grad_at_raw=tuple(g + total for g in grad_at),
         grad_after_raw=tuple(g + total for g in grad_after),
         overhead_s=graph.checkpoint_overhead_s,
+        rule5_saves=rule5_saves(graph),
+        after_last_save=tuple(t.after_last_save for t in graph.tensors),
     )
 
 
@@ -296,6 +309,13 @@ class _Programme:
         self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
         self._end = _value_array(self.size, 0.0)
         self._keys: dict[tuple, tuple] = {}
+        # See simulate's Rule 5: recomputations stop after the last node that saves; the last
+        # such node before each cut (-1: none).
+        self.early_stop = p.rule5_saves is not None
+        self.last_save = [-1] * (p.n + 1)
+        for i, saves in enumerate(p.rule5_saves or ()):
+            self.last_save[i + 1] = i if saves else self.last_save[i]
+        self._bwd_max: dict[tuple[int, int], int] = {}
 
     # -- static pieces ---------------------------------------------------------------------
     def last_need(self, t: int, b: int, root: bool) -> int:
@@ -309,6 +329,41 @@ class _Programme:
         ns = self.p.needers[t]
         k = bisect.bisect_left(ns, c)
         return k < len(ns) and ns[k] < j
+
+    def saved_in(self, t: int, c: int, j: int) -> bool:
+        return any(c <= s < j for s in self.p.savers[t])
+
+    def bwd_max(self, c: int, b: int) -> int:
+        """Most units the backward of a node in [c, b) adds to what is kept (gradient buffers,
+        relative to the context's, and its working set): the backward of nodes a stopped
+        recomputation did not reach (0 when there are none)."""
+        got = self._bwd_max.get((c, b))
+        if got is None:
+            p = self.p
+            got = max((p.grad_rel(i, b) + p.bwd_temp[i] for i in range(c, b)), default=0)
+            self._bwd_max[(c, b)] = got
+        return got
+
+    def child_args(self, c: int, j: int, crossing: tuple, root: bool) -> tuple[int, tuple, int]:
+        """A child region [c, j) of this context: (units held through its recomputation and
+        backward, the crossing its own context starts with, units of its arguments).
+
+        A checkpoint keeps its arguments (Rule 2), and everything kept for backward stays. In a
+        recomputation, arguments nothing in the child saves live only to the end of the child's
+        own recomputation (Rule 3); storages that are themselves such arguments of this
+        context have died before the child recomputes."""
+        p = self.p
+        held, inner, args = 0, [], 0
+        for t, kept in crossing:
+            if kept == ARG:
+                continue
+            needed = self.needed_in(t, c, j)
+            args += p.size[t] if needed and not kept else 0
+            if kept or (needed and (root or self.saved_in(t, c, j))):
+                held += p.size[t]
+            elif needed:
+                inner.append((t, ARG))
+        return held, tuple(sorted(inner)), args
 
     def fwd_peaks(self, c: int, b: int, root: bool, upto: int) -> list[int]:
         """Running max over i in [c, upto) of the bytes produced from c on and alive at i's
@@ -409,6 +464,7 @@ class _Programme:
             tuple(u - b for u in p.needers[t] if u < b),
             tuple(sorted(s - b for s in p.savers[t] if s < b)),
             bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
+            p.after_last_save[t],
         )
 
     def suffix_id(self, c: int, b: int) -> int:
@@ -436,6 +492,7 @@ class _Programme:
                 self.is_coarse[i],
                 self.is_bound[i],
                 self._spans_at(i, b),
+                self.early_stop and p.rule5_saves[i],
                 tuple(self._tensor_sig(t, b) for t in p.produced[i]),
                 nxt,
             )
@@ -465,17 +522,25 @@ class _Programme:
         return (self.suffix_id(c, b), cross, whole_ok, d)
 
     # -- the recursion -----------------------------------------------------------------------
-    def step(self, i: int, b: int, crossing: tuple, root: bool):
-        """Node i unchecked: (bytes its events need, bytes it leaves kept, crossing after)."""
+    def step(self, i: int, b: int, crossing: tuple, root: bool, partial: bool = False):
+        """Node i unchecked: (bytes its events need, bytes it leaves kept, crossing after).
+        ``partial``: a recomputation stopping at i, after its last save (Rule 5), so without
+        what i allocates after it."""
         p = self.p
         own, saves = p.produced[i], p.saves[i]
+        if partial:
+            own = tuple(t for t in own if not p.after_last_save[t])
         fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
         fwd += p.held_fwd[i] if root else 0
         bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
-        bwd += sum(p.size[t] for t, kept in crossing if kept or t in saves)
+        bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
         kept_bytes, nxt = 0, []
         for t, kept in crossing:
+            if kept == ARG:
+                if i < b - 1:
+                    nxt.append((t, ARG))
+                continue
             kept = kept or t in saves
             if self.last_need(t, b, root) == i:
                 kept_bytes += p.size[t] if kept else 0
@@ -502,20 +567,46 @@ class _Programme:
             raise OutOfTime
         p, size = self.p, self.size
         options: list = []
+        best = _value_array(size)
+        choice = np.zeros(size, np.int32)
+        # A recomputation runs this context's nodes, so they cost time; the first forward
+        # does not.
+        run_s = p.prefix_time_s.__getitem__ if not root else lambda _: 0.0
+        stopping = self.early_stop and not root
+        last_save = self.last_save[b] if stopping else b
         # Nodes up to the next boundary run unchecked in this context.
         stop = min(self.next_bound[c], b)
-        need, kept_bytes, nxt = self.step(c, b, crossing, root)
-        for i in range(c + 1, stop):
+        need, kept_bytes, nxt = 0, 0, crossing
+        for i in range(c, stop):
+            if i == last_save:
+                # See simulate's Rule 5: the recomputation stops after this node's last save;
+                # the nodes after it save nothing and do not run again, only their backward.
+                more, kept_more, after = self.step(i, b, nxt, root, partial=True)
+                kept_more += sum(p.size[t] for t, kept in after if kept is True)
+                tail = kept_bytes + kept_more + self.bwd_max(i + 1, b)
+                stopped = max(need, kept_bytes + more, tail)
+                if stopped < size:
+                    options.append(("stop",))
+                    choice[stopped:] = len(options) - 1
+                    best[stopped:] = run_s(i + 1) - run_s(c)
             more, kept_more, nxt = self.step(i, b, nxt, root)
             need = max(need, kept_bytes + more)
             kept_bytes += kept_more
-        best = _value_array(size)
+        if last_save < c:  # nothing left saves: the recomputation stopped before c
+            stopped = sum(p.size[t] for t, kept in crossing if kept is True) + self.bwd_max(c, b)
+            if stopped < size:
+                options.append(("stop",))
+                choice[stopped:] = len(options) - 1
+                best[stopped:] = 0.0
         if need < size:
             rest = self.value(stop, b, nxt, root, True, depth)
-            best[:] = _shifted(rest, kept_bytes)
-            best[:need] = INF
-            options.append(("run", stop, self.key(stop, b, nxt, root, True, depth), kept_bytes))
-        choice = np.zeros(size, np.int32)
+            v = _shifted(rest, kept_bytes) + (run_s(stop) - run_s(c))
+            v[:need] = INF
+            better = v < best
+            if better.any():
+                options.append(("run", stop, self.key(stop, b, nxt, root, True, depth), kept_bytes))
+                choice[better] = len(options) - 1
+                np.minimum(best, v, out=best)
         # Nodes [c, j) form a region, for each allowed end j.
         if self.max_depth is None or depth < self.max_depth:
             cross_bytes = sum(p.size[t] for t, _ in crossing)
@@ -527,24 +618,43 @@ class _Programme:
                 if j == b and not whole_ok:
                     break
                 fwd = cross_bytes + peaks[j - 1 - c]
-                if fwd >= size:
+                if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
                 for i in range(last, j):
                     surviving += p.produced[i]
                 last = j
                 surviving = [t for t in surviving if self.last_need(t, b, root) >= j]
+                held, inner_crossing, args = self.child_args(c, j, crossing, root)
+                inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
+                inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
+                if stopping and last_save < j:
+                    # See simulate's Rule 5: the child is this recomputation's last save (its
+                    # arguments), so the recomputation stops before it; the nodes after it run
+                    # only their backward, with the child's arguments still alive (Rule 3).
+                    inner = self.value(c, j, inner_crossing, False, False, depth + 1)
+                    kept = sum(p.size[t] for t, k in crossing if k is True)
+                    v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
+                    v[: kept + args + self.bwd_max(j, b)] = INF
+                    better = v < best
+                    if better.any():
+                        options.append(("region", c, j, inner_key, inner_shift, None, 0))
+                        choice[better] = len(options) - 1
+                        np.minimum(best, v, out=best)
+                if fwd >= size:
+                    continue
                 coarse = self.span_ends is not None or (self.is_coarse[c] and self.is_coarse[j])
                 if root and self.selective and coarse:
                     keeps = {tuple(i for i in range(c, j) if k[i]) for k in self.keep_sets}
                     for keep in sorted(keeps):
                         best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
-                held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-                inner = self.value(c, j, (), False, False, depth + 1)
+                inner = self.value(c, j, inner_crossing, False, False, depth + 1)
                 if inner[-1] == INF:
                     continue
                 kept_bytes, nxt = 0, [(t, False) for t in surviving]
                 for t, kept in crossing:
-                    if self.last_need(t, b, root) < j:
+                    if kept == ARG:
+                        nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
+                    elif self.last_need(t, b, root) < j:
                         kept_bytes += p.size[t]  # read inside the region: kept as its input
                     else:
                         nxt.append((t, kept or self.needed_in(t, c, j)))
@@ -552,9 +662,9 @@ class _Programme:
                 rest = self.value(j, b, nxt, root, True, depth)
                 if rest[-1] == INF:
                     continue
-                inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
                 v = _shifted(inner, inner_shift) + _shifted(rest, kept_bytes)
-                v += p.prefix_time_s[j] - p.prefix_time_s[c] + p.overhead_s(c, j, "recompute")
+                # the child runs in this context's recomputation, and costs its own overhead
+                v += run_s(j) - run_s(c) + p.overhead_s(c, j, "recompute")
                 v[:fwd] = INF
                 better = v < best
                 if better.any():
@@ -563,7 +673,7 @@ class _Programme:
                             "region",
                             c,
                             j,
-                            self.key(c, j, (), False, False, depth + 1),
+                            inner_key,
                             inner_shift,
                             self.key(j, b, nxt, root, True, depth),
                             kept_bytes,
@@ -582,6 +692,8 @@ class _Programme:
             _, computed_at, options, choice = self.memo[key]
             offset = at - computed_at
             option = options[choice[m]]
+            if option[0] == "stop":
+                break
             if option[0] == "run":
                 _, nxt_at, key, kept_bytes = option
                 at, m = nxt_at + offset, m - kept_bytes
@@ -759,8 +871,9 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
     space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
     eager = simulate(graph, Schedule()).peak_bytes
     every, note = _space(graph, options)
-    # Optimal for simulate only where its prices are simulate's: without early stop (Rule 5).
-    every = every and not any(nd.saves_for_backward for nd in graph.nodes)
+    # Optimal for simulate only where its prices are simulate's (see the module docstring).
+    every = every and not any(nd.state_bytes for nd in graph.nodes)
+    every = every and not any(t.freed_after > t.producer for t in graph.tensors)
     for with_selective in (True, False) if options.selective else (False,):
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)

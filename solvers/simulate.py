@@ -180,10 +180,7 @@ class _Replay:
         for nd in graph.nodes:
             state_prefix.append(state_prefix[-1] + nd.state_bytes)
         self.state_bytes = {r: state_prefix[r.stop] - state_prefix[r.start] for r in self.regions}
-        # Where recomputation stops needs every save, parameters and inputs included; a graph
-        # that does not say (hand-built ones) is replayed to the region's end, which never
-        # under-counts.
-        self.early_stop = any(nd.saves_for_backward for nd in graph.nodes)
+        self.early_stop = rule5_saves(graph) is not None
         self.timeline: list[tuple[str, int]] = []
         self.recompute_flops = 0
         self.recompute_time_s = 0.0
@@ -387,6 +384,14 @@ class _Replay:
             if region is not None and i == region.start:
                 self._release_at(ctx, ("region_end", region))  # an offload region's inputs
             i -= 1
+
+
+def rule5_saves(graph: CostGraph) -> tuple[bool, ...] | None:
+    """See Rule 5: which nodes' forwards save something for backward, the saves a
+    recomputation counts to know where it stops; None when the graph does not say (hand-built
+    graphs), which are then recomputed to each region's end (never under-counting)."""
+    saves = tuple(nd.saves_for_backward for nd in graph.nodes)
+    return saves if any(saves) else None
 
 
 def stop_node(graph: CostGraph, region: Region, children: list[Region]) -> tuple[int, bool]:
