@@ -487,14 +487,25 @@ def with_measured_times(
         for i, n in enumerate(graph.nodes)
     )
     overhead = checkpoint_overhead(device)
-    return dataclasses.replace(
+    graph = dataclasses.replace(
         graph,
         nodes=nodes,
         region_overhead_s=overhead.region_s,
         saving_node_overhead_s=overhead.per_saving_node_s,
         selective_node_overhead_s=overhead.per_selective_node_s,
-        meta={**graph.meta, "timing": how},
     )
+    if step_time is not None and step_time.checkpointed_s is not None:
+        # The step checkpointed whole recomputes the forward (to its last save): what that
+        # takes beyond the plain step and the region's overhead, over the nodes' forward times.
+        # Recomputation runs in backward, on storages backward just freed and hot caches, and
+        # is often cheaper than the first forward.
+        forward_s = sum(graph.node_time_s(i) for i in range(len(nodes)))
+        extra_s = step_time.checkpointed_s - step_time.step_s
+        extra_s -= graph.checkpoint_overhead_s(0, len(nodes))
+        scale = min(2.0, max(0.25, extra_s / max(forward_s, 1e-12)))
+        graph = dataclasses.replace(graph, recompute_scale=scale)
+        how += f"; recomputation x {scale:.2f} of forward (a step checkpointed whole)"
+    return dataclasses.replace(graph, meta={**graph.meta, "timing": how})
 
 
 def _measured_times(

@@ -23,6 +23,9 @@ class StepTime:
 
     forward_s: float  # the module's forward and the loss
     backward_s: float
+    # The same step with the module's whole forward under one checkpoint (None: not measured):
+    # what recomputation really costs on this device, beside the ops' forward.
+    checkpointed_s: float | None = None
 
     @property
     def step_s(self) -> float:

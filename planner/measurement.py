@@ -26,6 +26,7 @@ first. Gradients of input tensors that require grad are not restored.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import statistics
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.passes.step import LossFn, StepTime, call, split_input, training_loss
@@ -142,14 +144,33 @@ def measured_step_time(
     module_or_model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None = None
 ) -> StepTime | None:
     """The step's time as a planner prices it on its own device: a warm-up step, then the
-    median of enough steps to fill a quarter of a second (3 to 15); None when the unplanned step
-    does not fit in the device's memory (the reason to plan)."""
+    median of enough steps to fill a quarter of a second (3 to 15), and as many with the whole
+    forward under one non-reentrant checkpoint (``StepTime.checkpointed_s``; None if the model
+    cannot run that way). None when the unplanned step does not fit in the device's memory
+    (the reason to plan)."""
     try:
         first = time_step(module_or_model, example_input, loss_fn, warmup=1, repeats=1)
         repeats = min(15, max(3, math.ceil(0.25 / max(first.step_s, 1e-6))))
-        return time_step(module_or_model, example_input, loss_fn, warmup=0, repeats=repeats)
+        plain = time_step(module_or_model, example_input, loss_fn, warmup=0, repeats=repeats)
     except torch.cuda.OutOfMemoryError:
         return None
+    try:
+        whole = _CheckpointedWhole(module_or_model)
+        checkpointed = time_step(whole, example_input, loss_fn, warmup=1, repeats=repeats)
+    except Exception:  # e.g. a forward that cannot run twice alike: leave recomputation unfitted
+        return plain
+    return dataclasses.replace(plain, checkpointed_s=checkpointed.step_s)
+
+
+class _CheckpointedWhole(torch.nn.Module):
+    """``inner``'s whole forward under one non-reentrant checkpoint (for timing only)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
 def _timed_steps(

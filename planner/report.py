@@ -110,7 +110,7 @@ def region_costs(plan: Plan) -> list[RegionCost]:
         i = index[name]
         innermost = max((s for s in spans if i in s), key=lambda s: s.depth)
         flops[innermost] += graph.nodes[i].fwd_flops
-        time_s[innermost] += graph.node_time_s(i)
+        time_s[innermost] += graph.node_recompute_time_s(i)
     return [
         RegionCost(r.name, r.kind, freed[s], flops[s], time_s[s])
         for r, s in zip(plan.regions, spans)

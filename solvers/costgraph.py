@@ -125,6 +125,9 @@ class CostGraph:
     region_overhead_s: float = 0.0
     saving_node_overhead_s: float = 0.0
     selective_node_overhead_s: float = 0.0
+    # A node's recomputation over its forward time (node_recompute_time_s): fitted on the device
+    # to a step checkpointed whole (passes/estimate.py); 1 for roofline prices.
+    recompute_scale: float = 1.0
     # Module-granular plans (applied in place to the user's own modules): the only node
     # intervals [start, stop) a region may cover, each the ops of one call of one submodule.
     # None: any interval of allowed cuts.
@@ -141,6 +144,10 @@ class CostGraph:
         flops = n.bwd_flops if backward else n.fwd_flops
         moved = n.bwd_bytes_accessed if backward else n.fwd_bytes_accessed
         return max(flops / self.flops_per_s, moved / self.bytes_per_s)
+
+    def node_recompute_time_s(self, i: int) -> float:
+        """Runtime of node ``i``'s forward run again by a checkpoint's recomputation."""
+        return self.node_time_s(i) * self.recompute_scale
 
     def region_overhead_time_s(self, region: Region) -> float:
         """Seconds ``region``'s checkpoint bookkeeping adds to the step (see the fields above)."""

@@ -187,7 +187,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         live -= free[i]
         grad_after[i] = live
     out = out_bytes(graph)
-    times = [graph.node_time_s(i) for i in range(n)]
+    times = [graph.node_recompute_time_s(i) for i in range(n)]
     prefix = [0.0]
     for t_s in times:
         prefix.append(prefix[-1] + t_s)

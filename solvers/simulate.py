@@ -262,7 +262,7 @@ class _Replay:
             self._mark(f"{label}:{self.g.nodes[i].name}", self.g.nodes[i].fwd_temp_bytes)
             if ctx is not ROOT:
                 self.recompute_flops += self.g.nodes[i].fwd_flops
-                self.recompute_time_s += self.g.node_time_s(i)
+                self.recompute_time_s += self.g.node_recompute_time_s(i)
             for t_i in self.used[i] + self.produced[i]:
                 self._release((ctx, t_i))  # one forward use, or the producer's own hold
         if ctx is not ROOT:

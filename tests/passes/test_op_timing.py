@@ -50,6 +50,15 @@ def test_node_times_are_fitted_to_the_measured_step():
     assert sum(n.fwd_time_s for n in slow.nodes) == pytest.approx(1.0)
     assert sum(n.bwd_time_s for n in slow.nodes) == pytest.approx(2.0)
     assert "per call" in slow.meta["timing"]
+    assert slow.recompute_scale == 1.0  # no checkpointed step measured: the forward's time
+    # Checkpointed whole, the step took 0.5 s longer than its overhead: recomputing the 1 s
+    # forward costs half of it.
+    overhead_s = slow.checkpoint_overhead_s(0, len(slow.nodes))
+    halved = estimate(
+        c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1.0, 2.0, 3.5 + overhead_s)
+    )
+    assert halved.recompute_scale == pytest.approx(0.5)
+    assert halved.node_recompute_time_s(3) == pytest.approx(0.5 * halved.node_time_s(3))
     # A step faster than its ops timed alone: they are scaled down alike.
     fast = estimate(c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1e-6, 2e-6))
     assert sum(n.fwd_time_s for n in fast.nodes) == pytest.approx(1e-6)
