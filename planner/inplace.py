@@ -35,6 +35,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.devices import DeviceProfile
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
 from planner.passes.step import LossFn
@@ -101,6 +102,11 @@ class InplacePlan:
     def predicted_recompute_time_s(self) -> float:
         return 0.0 if self.simulation is None else self.simulation.recompute_time_s
 
+    @property
+    def predicted_step_time_s(self) -> float:
+        """Forward + backward + recomputation (+ offload transfers) of one step, in seconds."""
+        return 0.0 if self.simulation is None else self.simulation.step_time_s
+
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model``'s own region modules in place; returns the same object."""
         check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")
@@ -127,9 +133,13 @@ def plan_inplace(
     budget_bytes: int,
     solver: str = "auto",
     loss_fn: LossFn | None = None,
+    device: DeviceProfile | None = None,
     **solver_opts: Any,
 ) -> InplacePlan:
-    """Price ``model``'s eager step, solve over its module calls, and return the plan."""
+    """Price ``model``'s eager step, solve over its module calls, and return the plan.
+
+    ``device``: the profile whose rates price time (the roofline); None: the model's own device.
+    """
     solve = get_solver(solver)
     if solver not in SPAN_SOLVERS:
         raise UnsupportedModelError(
@@ -137,7 +147,8 @@ def plan_inplace(
             f"regions are module calls, which only {', '.join(map(repr, SPAN_SOLVERS))} keep "
             f"to. Use one of those, or plan with form='graph'."
         )
-    eg = eager_graph(model, example_input, loss_fn)
+    rates = None if device is None else (device.flops_per_s, device.bytes_per_s)
+    eg = eager_graph(model, example_input, loss_fn, rates=rates)
     schedule = solve(eg.graph, budget_bytes, **solver_opts)
     return build_inplace_plan(model, eg, schedule, budget_bytes)
 

@@ -248,7 +248,9 @@ def plan(
         device = device_profile(device)  # fail on an unknown profile before the slow part
     if form == "inplace":
         check_trainable(model)
-        return plan_inplace(model, example_input, budget_bytes, solver, loss_fn, **solver_opts)
+        return plan_inplace(
+            model, example_input, budget_bytes, solver, loss_fn, device, **solver_opts
+        )
     priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(budget_bytes, solver, **solver_opts)
 
