@@ -73,7 +73,8 @@ def plan_speed(seq_len: int = 128, budget_fraction: float = 0.7) -> str:
     plan_s = time.perf_counter() - start
     measured = planner.measure(p.module, example).peak_bytes
     phases = ", ".join(
-        f"{name} {clock.wall_s[name]:.1f} s ({clock.cpu_s[name]:.1f} s CPU)" for name in clock.wall_s
+        f"{name} {clock.wall_s[name]:.1f} s ({clock.cpu_s[name]:.1f} s CPU)"
+        for name in clock.wall_s
     )
     return (
         f"Mamba (hidden 32, 2 layers, seq {seq_len}): {len(p.graph.nodes)} nodes; plan(auto) "
