@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import planner
 from benchmarks.models import gpt_ref_small_example
+from planner.planning import price
 from planner.plots import node_bytes
 from planner.report import format_bytes, format_flops, format_ms, region_costs
 from planner.solvers.costgraph import Region, Schedule
@@ -90,8 +90,8 @@ def test_nested_regions_charge_each_recomputed_node_to_the_innermost_region():
 @pytest.fixture(scope="module")
 def nested_plan():
     model, example_input = gpt_ref_small_example()
-    eager = planner.plan(model, example_input, 1.0, solver="none").baseline_peak_bytes
-    p = planner.plan(model, example_input, 0.65 * eager / 1e9, solver="dp")
+    priced = price(model, example_input)  # what planner.plan runs, captured and priced once
+    p = priced.plan(round(0.65 * priced.eager_peak_bytes), solver="dp")
     assert any(r.depth > 0 for r in p.regions)  # the case where per-region sums could drift
     return p
 
