@@ -31,9 +31,7 @@ from benchmarks.models import (
     unet_example,
 )
 from planner.measurement import Measurement, measure
-from planner.passes.capture import capture
-from planner.passes.estimate import estimate
-from planner.planning import build_plan
+from planner.planning import price
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import get_solver
@@ -94,8 +92,9 @@ def accuracy_rows(
 ) -> tuple[list[Row], dict]:
     """Predicted vs measured rows for one model; also returns what the timeline plot needs."""
     model, example = make()
-    captured = capture(model, example)
-    graph = estimate(captured.module, captured.args, captured.kwargs)
+    # The roofline with the CPU profile, as estimate prices a CPU model by default.
+    priced = price(model, example, device="cpu")
+    graph = priced.graph
     eager_sim = simulate(graph, Schedule())
     eager_time_s = step_time_s(graph, eager_sim)
 
@@ -131,7 +130,7 @@ def accuracy_rows(
             continue
         sim = simulate(graph, schedule)
         try:
-            module = build_plan(captured.module, graph, schedule, budget or 0).module
+            module = priced.build(schedule, budget or 0).module
             measured = measure(module, example, repeats=repeats)
         except Exception as e:  # noqa: BLE001 - a failing rewrite is a row, not a crash
             note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"

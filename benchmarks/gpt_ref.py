@@ -13,9 +13,7 @@ import time
 
 import planner
 from benchmarks.models import gpt_ref_example
-from planner.passes.capture import capture
-from planner.passes.estimate import estimate
-from planner.planning import build_plan
+from planner.planning import price
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import get_solver
 
@@ -32,8 +30,8 @@ def main() -> None:
     model, example = gpt_ref_example()
     eager = planner.measure(model, example, repeats=args.repeats)
     t0 = time.perf_counter()
-    captured = capture(model, example)
-    graph = estimate(captured.module, captured.args, captured.kwargs)
+    priced = price(model, example, device="cpu")  # the roofline, as estimate's default
+    graph = priced.graph
     estimate_s = time.perf_counter() - t0
     print(
         f"GPT-ref eager measured peak {eager.peak_bytes / MIB:.1f} MiB, step "
@@ -57,7 +55,7 @@ def main() -> None:
                 )
                 continue
             solve_s = time.perf_counter() - t0
-            p = build_plan(captured.module, graph, schedule, budget)
+            p = priced.build(schedule, budget)
             m = planner.measure(p.module, example, repeats=args.repeats)
             print(
                 f"| {p.solver} | {fraction:.0%} ({budget / MIB:.0f} MiB) "

@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from planner.devices import DeviceProfile, profile_of
@@ -133,17 +133,19 @@ class _Tracker(TorchDispatchMode):
             self.random_nodes.add(self.node)
         if self.phase == "fwd" and self.node >= 0:
             self.note_writes(func, args, kwargs)
+        # One flatten of the arguments serves the traffic and the recorded call.
+        flat = tree_flatten((args, kwargs)) if self.record_calls or not func.is_view else None
+        outs = [t for t in tree_leaves(out) if _is_tensor(t)]
         moved = 0
         if not func.is_view:
             # Roofline traffic: every input read once, every output written once.
-            leaves = tree_leaves((args, kwargs, out))
-            moved = sum(t.numel() * t.element_size() for t in leaves if _is_tensor(t))
+            ins = [t for t in flat[0] if _is_tensor(t)]  # type: ignore[index]
+            moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
             self.moved_bytes[where] += moved
         if self.record_calls:
-            self.calls[where].append((op_call(func, args, kwargs), flops, moved))
-        for t in tree_leaves(out):
-            if _is_tensor(t):
-                self.track(t)
+            self.calls[where].append((op_call(func, args, kwargs, flat), flops, moved))
+        for t in outs:
+            self.track(t)
         return out
 
     def note_writes(self, func, args: tuple, kwargs: dict) -> None:

@@ -26,6 +26,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -48,14 +49,27 @@ class OpCall:
     leaves: tuple[Any, ...]
     spec: TreeSpec  # how to rebuild (args, kwargs) from the leaves
 
-    @property
+    @cached_property
     def key(self) -> tuple[str, str, tuple[Any, ...]]:
+        """Calls with equal keys share one timing. Cached: a long unrolled graph asks for the
+        keys of tens of thousands of calls, and a TreeSpec's text is slow to build."""
+        if getattr(self.op, "is_view", False):
+            # A view only writes metadata, so its integer arguments (select's index, a slice's
+            # bounds) do not change its time: a scan unrolled over the sequence selects at every
+            # position, and those calls share one timing instead of one each.
+            tensors = tuple(x for x in self.leaves if isinstance(x, TensorSpec))
+            return (str(self.op), "view", tensors)
         return (str(self.op), str(self.spec), self.leaves)
 
 
-def op_call(op: Any, args: tuple, kwargs: dict) -> OpCall | None:
-    """The call of ``op`` on these (fake) arguments; None when one cannot be rebuilt."""
-    leaves, spec = tree_flatten((args, kwargs))
+def op_call(
+    op: Any, args: tuple, kwargs: dict, flat: tuple[list[Any], TreeSpec] | None = None
+) -> OpCall | None:
+    """The call of ``op`` on these (fake) arguments; None when one cannot be rebuilt.
+
+    ``flat``: ``tree_flatten((args, kwargs))`` when the caller has it already.
+    """
+    leaves, spec = tree_flatten((args, kwargs)) if flat is None else flat
     out: list[Any] = []
     for x in leaves:
         if isinstance(x, torch.Tensor):

@@ -13,10 +13,9 @@ model (the graph's own ops timed on the model's device, or a device profile's ro
 
 from __future__ import annotations
 
-import io
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +24,7 @@ from planner.devices import DeviceProfile, device_profile
 from planner.inplace import InplacePlan, build_inplace_plan, check_span_solver, price_inplace
 from planner.passes.step import LossFn
 from planner.planning import FORMS, Plan, budget_bytes_from_gb, price
-from planner.report import format_bytes, format_ms
+from planner.report import data_frame, format_bytes, format_ms, plain_text
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import get_solver
@@ -81,14 +80,7 @@ class BatchFit:
 
     def to_pandas(self) -> Any:
         """The rows as a ``pandas.DataFrame`` (pandas is an optional dependency)."""
-        try:
-            import pandas as pd
-        except ImportError:
-            raise ImportError(
-                "BatchFit.to_pandas() needs pandas: pip install pandas "
-                "(or install planner with its dev extra: pip install -e '.[dev]')"
-            ) from None
-        return pd.DataFrame([asdict(r) for r in self.rows])
+        return data_frame(self.rows, "BatchFit.to_pandas()")
 
     def __rich__(self) -> Table:
         from rich.table import Table
@@ -136,13 +128,7 @@ class BatchFit:
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        out = io.StringIO()
-        Console(
-            file=out, width=160, force_terminal=False, force_jupyter=False, color_system=None
-        ).print(self)
-        return out.getvalue()
+        return plain_text(self, width=160)
 
     def plot(self) -> Figure:
         """Predicted samples/s and peak against batch size, with and without checkpointing."""

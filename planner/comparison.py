@@ -7,7 +7,6 @@ only by solver and budget. With ``measure=True`` each plan also runs one real tr
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from planner.measurement import measure as measure_step
 from planner.passes.step import LossFn
 from planner.planning import GB, Plan, price
 from planner.plots import plot_pareto
-from planner.report import format_bytes, format_ms
+from planner.report import data_frame, format_bytes, format_ms, plain_text
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
 from planner.solvers.registry import SOLVERS, get_solver
 
@@ -75,16 +74,7 @@ class Comparison:
 
     def to_pandas(self) -> Any:
         """The rows as a ``pandas.DataFrame`` (pandas is an optional dependency)."""
-        try:
-            import pandas as pd
-        except ImportError:
-            raise ImportError(
-                "Comparison.to_pandas() needs pandas: pip install pandas "
-                "(or install planner with its dev extra: pip install -e '.[dev]')"
-            ) from None
-        from dataclasses import asdict
-
-        return pd.DataFrame([asdict(r) for r in self.rows])
+        return data_frame(self.rows, "Comparison.to_pandas()")
 
     def ranked(self) -> list[Row]:
         """Rows by budget (as given), and within one budget by predicted recompute time, least
@@ -171,14 +161,7 @@ class Comparison:
         (console or Console()).print(self)
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        out = io.StringIO()
-        # force_jupyter=False: in a notebook rich would display the table instead of returning it
-        Console(
-            file=out, width=200, force_terminal=False, force_jupyter=False, color_system=None
-        ).print(self)
-        return out.getvalue()
+        return plain_text(self, width=200)
 
     def plot(self, *, ax: Any = None) -> Figure:
         """Peak memory vs predicted recompute time: each solver's front, eager, the budgets."""

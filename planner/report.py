@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -190,14 +190,32 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             total[2:2] = ["", "", ""]
         table.add_section()
         table.add_row(*total)
+    text = "\n".join(lines) + "\n" + plain_text(table, width=140 if verbose else 120)
+    if not verbose:
+        text += "solver details: plan.summary(verbose=True)\n"
+    return text
+
+
+def plain_text(renderable: object, width: int) -> str:
+    """What rich prints for ``renderable`` (a table), as plain text ``width`` columns wide.
+
+    force_jupyter=False: in a notebook rich would display the table instead of returning it.
+    """
     out = io.StringIO()
     Console(
-        file=out,
-        width=140 if verbose else 120,
-        force_terminal=False,
-        force_jupyter=False,
-        color_system=None,
-    ).print(table)
-    if not verbose:
-        out.write("solver details: plan.summary(verbose=True)\n")
-    return "\n".join(lines) + "\n" + out.getvalue()
+        file=out, width=width, force_terminal=False, force_jupyter=False, color_system=None
+    ).print(renderable)
+    return out.getvalue()
+
+
+def data_frame(rows: Sequence[object], who: str) -> Any:
+    """Dataclass ``rows`` as a ``pandas.DataFrame`` (pandas is an optional dependency; ``who``
+    names the method that asked, for the error without it)."""
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError(
+            f"{who} needs pandas: pip install pandas "
+            "(or install planner with its dev extra: pip install -e '.[dev]')"
+        ) from None
+    return pd.DataFrame([asdict(r) for r in rows])  # type: ignore[call-overload]

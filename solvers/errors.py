@@ -18,12 +18,21 @@ class InfeasibleBudgetError(PlannerError):
         self.budget_bytes = budget_bytes
         self.min_bytes = min_bytes
         super().__init__(
-            f"no checkpoint schedule fits a budget of {budget_bytes / 2**20:.1f} MiB "
-            f"({budget_bytes / 1e9:.3f} GB); the least feasible budget is "
-            f"{min_bytes / 2**20:.1f} MiB ({min_bytes / 1e9:.3f} GB). Raise mem_budget_gb to at "
-            f"least {min_bytes / 1e9!r}, or shrink the batch or sequence length."
+            f"no checkpoint schedule fits a budget of {size_text(budget_bytes)}; the least "
+            f"feasible budget is {size_text(min_bytes)}. Raise mem_budget_gb to at least "
+            f"{min_bytes / 1e9!r}, or shrink the batch or sequence length."
             + (f" {detail}" if detail else "")
         )
+
+
+def size_text(n_bytes: float) -> str:
+    """A size in the largest binary unit it fills (bytes, KiB, MiB, GiB) to four significant
+    digits, so that a budget and a minimum a few bytes apart read apart, and in decimal GB, the
+    unit of ``mem_budget_gb``: ``2.263 MiB (0.00237 GB)``, ``520 bytes (5.2e-07 GB)``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.4g} {unit} ({n_bytes / 1e9:.3g} GB)"
+    return f"{n_bytes:.0f} bytes ({n_bytes / 1e9:.3g} GB)"
 
 
 class InvalidBudgetError(PlannerError, ValueError):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import planner
+from planner.solvers.errors import size_text
 from tests import models_zoo as zoo
 from tests.helpers import assert_same_step
 
@@ -87,7 +88,8 @@ def test_budget_below_the_least_feasible_states_it_in_bytes_and_mib():
     e = info.value
     assert e.budget_bytes == 1
     assert 0 < e.min_bytes < planner.measure(model, x).peak_bytes * 2
-    assert f"{e.min_bytes / 2**20:.1f} MiB" in str(e)
+    assert "budget of 1 bytes (1e-09 GB)" in str(e)  # not "0.0 MiB (0.000 GB)"
+    assert f"least feasible budget is {size_text(e.min_bytes)}" in str(e)
     assert "least feasible budget" in str(e) and "mem_budget_gb" in str(e)
 
 

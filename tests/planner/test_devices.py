@@ -69,3 +69,25 @@ def test_predicted_step_time_is_forward_backward_plus_recompute():
     )
     text = every.summary()
     assert f"predicted step time {every.predicted_step_time_s * 1e3:,.2f} ms" in text
+
+
+def test_inplace_form_prices_time_with_the_device_asked_for():
+    model, example = gpt_ref_small_example()
+    plans = {
+        name: planner.plan(
+            model, example, mem_budget_gb=1, solver="none", form="inplace", device=name
+        )
+        for name in ("h100", "cpu")
+    }
+    for name, p in plans.items():
+        rates = device_profile(name)
+        g = p.graph
+        assert (g.flops_per_s, g.bytes_per_s) == (rates.flops_per_s, rates.bytes_per_s)
+        # No regions: the step is forward + backward, each node at its roofline with these rates.
+        roofline = sum(
+            max(n.fwd_flops / rates.flops_per_s, n.fwd_bytes_accessed / rates.bytes_per_s)
+            + max(n.bwd_flops / rates.flops_per_s, n.bwd_bytes_accessed / rates.bytes_per_s)
+            for n in g.nodes
+        )
+        assert p.predicted_step_time_s == pytest.approx(roofline)
+    assert 0 < plans["h100"].predicted_step_time_s < plans["cpu"].predicted_step_time_s / 10

@@ -62,8 +62,14 @@ def test_cap_below_every_plan_at_batch_1_says_no_batch_size_fits():
     assert f"{least_bytes / 1e9:.3f} GB" in message
 
 
-def test_huge_cap_no_checkpointing_wins_at_every_batch():
-    fit = planner.fit_batch(gpt_small(), make_input, 100, batch_sizes=[4, 1, 2], device="cpu")
+@pytest.fixture(scope="module")
+def huge_cap_fit() -> BatchFit:
+    """A cap no batch size reaches, on a device profile asked for: priced once for two tests."""
+    return planner.fit_batch(gpt_small(), make_input, 100, batch_sizes=[4, 1, 2], device="h100")
+
+
+def test_huge_cap_no_checkpointing_wins_at_every_batch(huge_cap_fit):
+    fit = huge_cap_fit
     assert [r.batch_size for r in fit.rows] == [1, 2, 4]
     for r in fit.rows:
         assert r.fits and r.solver == "none" and r.regions == 0
@@ -72,13 +78,13 @@ def test_huge_cap_no_checkpointing_wins_at_every_batch():
     assert fit.plan.regions == ()
 
 
-def test_table_dataframe_and_plot():
-    fit = planner.fit_batch(gpt_small(), make_input, 100, batch_sizes=[1, 2], device="h100")
+def test_table_dataframe_and_plot(huge_cap_fit):
+    fit = huge_cap_fit
     assert isinstance(fit, BatchFit) and "h100" in fit.device
     text = str(fit)
     assert "samples/s" in text and f"best: batch {fit.best_batch_size}" in text
     frame = fit.to_pandas()
-    assert list(frame["batch_size"]) == [1, 2]
+    assert list(frame["batch_size"]) == [1, 2, 4]
     assert list(frame["samples_per_s"]) == [r.samples_per_s for r in fit.rows]
     fig = fit.plot()
     speed, memory = fig.axes

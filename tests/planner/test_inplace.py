@@ -17,6 +17,7 @@ from planner import inplace
 from planner.inplace import ModuleRegion, apply_regions
 from planner.passes.step import call, training_loss
 from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
+from tests.helpers import assert_same_step_copy
 
 # GPT-ref's architecture, small enough for CI, with activations (not parameter gradients)
 # dominating the step so that half of the eager peak is reachable.
@@ -31,26 +32,6 @@ def _example(seed: int = 0):
 def _at_length(example, length: int):
     idx, targets = example
     return idx[:, :length].contiguous(), targets[:, :length].contiguous()
-
-
-def _step(model, example, seed: int = 0):
-    """Loss and every parameter gradient of one seeded step of ``model`` (its own params)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = training_loss(call(model, example))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
-def _assert_bitwise(a, b, example) -> None:
-    loss_a, grads_a = _step(a, example)
-    loss_b, grads_b = _step(b, example)
-    assert torch.equal(loss_a, loss_b), (loss_a.item(), loss_b.item())
-    assert grads_a.keys() == grads_b.keys()
-    for name, g in grads_a.items():
-        assert torch.equal(g, grads_b[name]), f"gradient of {name} differs"
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +80,7 @@ def test_selective_and_nested_regions_keep_what_was_planned_bitwise(planned):
     assert "aten.addmm.default" in kept_ops <= {"aten.addmm.default", "aten.bmm.default"}
     try:
         p.apply(model)
-        _assert_bitwise(reference, model, example)
+        assert_same_step_copy(reference, model, example)
         measured = planner.measure(model, example).peak_bytes
     finally:
         planner.remove(model)
@@ -128,7 +109,7 @@ def test_bitwise_gradients_and_within_budget_at_any_length_up_to_the_planned(pla
     x = _at_length(example, length)
     try:
         p.apply(model)
-        _assert_bitwise(reference, model, x)  # float32, CPU, dropout on, same seed
+        assert_same_step_copy(reference, model, x)  # float32, CPU, dropout on, same seed
         measured = planner.measure(model, x).peak_bytes
     finally:
         planner.remove(model)
@@ -167,7 +148,7 @@ def test_remove_restores_every_forward(planned):
     assert sum("forward" in m.__dict__ for m in model.modules()) == len(p.regions)
     assert planner.remove(model) is model
     assert not any("forward" in m.__dict__ for m in model.modules())
-    _assert_bitwise(reference, model, example)
+    assert_same_step_copy(reference, model, example)
 
 
 def test_saved_plan_applies_to_a_fresh_model_with_the_same_gradients(planned, tmp_path):
@@ -178,7 +159,7 @@ def test_saved_plan_applies_to_a_fresh_model_with_the_same_gradients(planned, tm
     try:
         p.apply(model)
         assert planner.apply_plan(fresh, path) is fresh
-        _assert_bitwise(model, fresh, example)
+        assert_same_step_copy(model, fresh, example)
         wrapped = sorted(n for n, m in fresh.named_modules() if "forward" in m.__dict__)
         assert wrapped == sorted(r.name for r in p.regions)
     finally:
@@ -247,13 +228,13 @@ def test_a_call_that_diverges_from_the_plan_recomputes_and_warns_once():
     apply_regions(model, (region,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the planned path: no warning
-        _assert_bitwise(reference, model, x)
+        assert_same_step_copy(reference, model, x)
     model[0].extra = reference[0].extra = True
     with pytest.warns(UserWarning, match="module '0' ran other operations than planned"):
-        _assert_bitwise(reference, model, x)
+        assert_same_step_copy(reference, model, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per module
-        _assert_bitwise(reference, model, x)
+        assert_same_step_copy(reference, model, x)
 
 
 def test_batchnorm_modules_are_not_regions():

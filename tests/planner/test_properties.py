@@ -15,9 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.passes.capture import capture
-from planner.passes.estimate import estimate
-from planner.planning import budget_bytes_from_gb, build_plan
+from planner.planning import budget_bytes_from_gb, price
 from planner.solvers.costgraph import Schedule
 from planner.solvers.registry import SOLVERS, get_solver
 from planner.solvers.simulate import simulate
@@ -51,8 +49,8 @@ def plans(spec: NetSpec, fraction: float):
     A solver that refuses must state a least feasible budget above the budget it was given.
     """
     model, x = spec_model(spec)
-    captured = capture(model, x)
-    graph = estimate(captured.module, captured.args, captured.kwargs)
+    priced = price(model, x, device="cpu")  # the roofline, as estimate's default on the CPU
+    graph = priced.graph
     budget_bytes = int(fraction * simulate(graph, Schedule()).peak_bytes)
     out = {}
     for name in solver_names():
@@ -61,7 +59,7 @@ def plans(spec: NetSpec, fraction: float):
         except planner.InfeasibleBudgetError as e:
             assert e.min_bytes > budget_bytes, name
             continue
-        out[name] = build_plan(captured.module, graph, schedule, budget_bytes)
+        out[name] = priced.build(schedule, budget_bytes)
         assert out[name].predicted_peak_bytes <= budget_bytes, name
     return model, x, out
 
