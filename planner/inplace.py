@@ -35,6 +35,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.fsdp import FSDPConfig, per_rank
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
 from planner.passes.step import LossFn
@@ -127,9 +128,13 @@ def plan_inplace(
     budget_bytes: int,
     solver: str = "auto",
     loss_fn: LossFn | None = None,
+    fsdp: FSDPConfig | None = None,
     **solver_opts: Any,
 ) -> InplacePlan:
-    """Price ``model``'s eager step, solve over its module calls, and return the plan."""
+    """Price ``model``'s eager step, solve over its module calls, and return the plan.
+
+    ``fsdp``: price one rank of FSDP2 sharding instead of one process holding the whole model
+    (``planner/fsdp.py``)."""
     solve = get_solver(solver)
     if solver not in SPAN_SOLVERS:
         raise UnsupportedModelError(
@@ -138,6 +143,8 @@ def plan_inplace(
             f"to. Use one of those, or plan with form='graph'."
         )
     eg = eager_graph(model, example_input, loss_fn)
+    if fsdp is not None:
+        eg = per_rank(model, eg, fsdp)
     schedule = solve(eg.graph, budget_bytes, **solver_opts)
     return build_inplace_plan(model, eg, schedule, budget_bytes)
 
