@@ -145,9 +145,11 @@ def test_backward_change_precedes_recomputation():
 # --- FSDP2 on gloo, 2 and 4 processes -----------------------------------------------------------
 
 GPT_CFG = GPTConfig(n_layer=3, d_model=32, n_head=2, seq_len=64, vocab_size=64, dropout=0.0)
-# Two sequences per rank: on CPU each checkpointed region also keeps the RNG state it restores
-# (5056 B, which the CostGraph does not price), so activations should dwarf it.
+# Sequences per rank. On CPU each checkpointed region also keeps the CPU RNG state it restores
+# on recomputation (a 5056-byte tensor, which the CostGraph does not price: the profiler sees it,
+# the dispatch-mode tracker does not), so activations should dwarf it.
 PER_RANK = 2
+LLAMA_PER_RANK, LLAMA_SEQ = 4, 64  # its width is 32: its activations per token are small
 
 
 def _gpt(world: int):
@@ -167,8 +169,11 @@ def _llama(world: int):
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.0  # each rank would draw its own masks
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (PER_RANK * world, 32), generator=g)
-    return model, {"input_ids": ids, "labels": ids}
+    shape = (LLAMA_PER_RANK * world, LLAMA_SEQ)
+    ids = torch.randint(0, model.config.vocab_size, shape, generator=g)
+    # With the mask, as test_inplace_hf plans Llama: without one, transformers takes a causal
+    # SDPA path whose no-plan peak the eager estimator prices 10% high (a single process too).
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 BUILD = {"gpt": _gpt, "llama": _llama}
