@@ -33,7 +33,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -68,12 +68,15 @@ class EagerGraph:
     ``spans``: (start, stop) -> module path, for every span in ``graph.region_spans`` (the
     outermost module when several share one span). ``refused``: module path -> why it is not a
     candidate. ``module_types``: module path -> class name, of every module of the model.
+    ``module_spans``: module path -> (start, stop), of every module called exactly once per
+    step (candidate or not), for passes that place events at module boundaries (FSDP2 units).
     """
 
     graph: CostGraph
     spans: dict[tuple[int, int], str]
     refused: dict[str, str]
     module_types: dict[str, str]
+    module_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def op_sequence(self, start: int, stop: int) -> list[str]:
         """The overloads a selective-checkpoint policy sees in nodes [start, stop), in order."""
@@ -449,9 +452,11 @@ def _candidates(
         else:
             spans.setdefault((start, stop), path)
     types = {path: type(m).__name__ for path, m in model.named_modules()}
+    once = {path: made[0][:2] for path, made in calls.items() if len(made) == 1}
     return EagerGraph(
         graph=replace(graph, region_spans=frozenset(spans)),
         spans=spans,
         refused=refused,
         module_types=types,
+        module_spans=once,
     )

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from planner.batch_search import BatchFit, fit_batch
     from planner.comparison import Comparison, compare
     from planner.devices import DeviceProfile
+    from planner.fsdp import FSDPConfig
     from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
@@ -36,6 +37,7 @@ _LAZY = {
     "BatchFit": ("planner.batch_search", "BatchFit"),
     "DeviceProfile": ("planner.devices", "DeviceProfile"),
     "fit_batch": ("planner.batch_search", "fit_batch"),
+    "FSDPConfig": ("planner.fsdp", "FSDPConfig"),
     "Comparison": ("planner.comparison", "Comparison"),
     "compare": ("planner.comparison", "compare"),
     "Measurement": ("planner.measurement", "Measurement"),
@@ -63,6 +65,7 @@ __all__ = [
     "CaptureError",
     "Comparison",
     "DeviceProfile",
+    "FSDPConfig",
     "InfeasibleBudgetError",
     "InplacePlan",
     "InvalidBudgetError",

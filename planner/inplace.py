@@ -36,6 +36,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner.devices import DeviceProfile
+from planner.fsdp import FSDPConfig, per_rank
 from planner.measurement import measured_step_time
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
@@ -146,15 +147,18 @@ def price_inplace(
     loss_fn: LossFn | None = None,
     *,
     device: DeviceProfile | None = None,
+    fsdp: FSDPConfig | None = None,
 ) -> EagerGraph:
     """Price ``model``'s eager step for an in-place plan.
 
     ``device``: the profile to price time for; None prices the model's own device, where its
     ops are timed and fitted to its measured step (as ``planning.price`` does for a graph).
+    ``fsdp``: price one rank of FSDP2 sharding instead of one process holding the whole model
+    (``planner/fsdp.py``).
     """
     on_device = any(p.device.type != "meta" for p in model.parameters())
     time_ops = device is None and on_device
-    return eager_graph(
+    eg = eager_graph(
         model,
         example_input,
         loss_fn,
@@ -162,6 +166,7 @@ def price_inplace(
         time_ops=time_ops,
         step_time=measured_step_time(model, example_input, loss_fn) if time_ops else None,
     )
+    return eg if fsdp is None else per_rank(model, eg, fsdp)
 
 
 def plan_inplace(
@@ -172,12 +177,13 @@ def plan_inplace(
     loss_fn: LossFn | None = None,
     *,
     device: DeviceProfile | None = None,
+    fsdp: FSDPConfig | None = None,
     **solver_opts: Any,
 ) -> InplacePlan:
     """Price ``model``'s eager step (:func:`price_inplace`), solve over its module calls, and
     return the plan."""
     check_span_solver(solver)
-    eg = price_inplace(model, example_input, loss_fn, device=device)
+    eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
     schedule = get_solver(solver)(eg.graph, budget_bytes, **solver_opts)
     return build_inplace_plan(model, eg, schedule, budget_bytes)
 

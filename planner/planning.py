@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from planner.devices import DeviceProfile, device_profile
+from planner.fsdp import FSDPConfig
 from planner.inplace import InplacePlan, apply_plan_file, plan_inplace
 from planner.measurement import measured_step_time
 from planner.passes.capture import capture
@@ -229,6 +230,7 @@ def plan(
     loss_fn: LossFn | None = None,
     form: str = "graph",
     device: str | DeviceProfile | None = None,
+    fsdp: FSDPConfig | None = None,
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -242,6 +244,9 @@ def plan(
     (parameters and optimizer state), in decimal GB. Raises ``InfeasibleBudgetError`` (with the
     least feasible budget) when no schedule fits. ``device``: whose step time to predict and
     minimise (see :func:`price`), e.g. ``"h100"`` for a model built on the meta device.
+    ``fsdp``: an ``FSDPConfig`` (``form="inplace"`` only): plan one rank of FSDP2 sharding, its
+    example input that rank's micro-batch and the budget that rank's peak (``planner/fsdp.py``);
+    shard with ``planner.fsdp.shard(model, config)`` after ``p.apply(model)``.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     if form not in FORMS:
@@ -249,10 +254,24 @@ def plan(
     get_solver(solver)  # fail on an unknown solver before the slow part
     if device is not None:
         device = device_profile(device)  # fail on an unknown profile before the slow part
+    if fsdp is not None and not isinstance(fsdp, FSDPConfig):
+        raise TypeError(f"fsdp must be a planner.FSDPConfig, got {type(fsdp).__name__}")
+    if fsdp is not None and form != "inplace":
+        raise ValueError(
+            "fsdp plans are applied in place before fully_shard (torchtitan's order); plan "
+            "with planner.plan(..., form='inplace', fsdp=...)"
+        )
     if form == "inplace":
         check_trainable(model)
         return plan_inplace(
-            model, example_input, budget_bytes, solver, loss_fn, device=device, **solver_opts
+            model,
+            example_input,
+            budget_bytes,
+            solver,
+            loss_fn,
+            device=device,
+            fsdp=fsdp,
+            **solver_opts,
         )
     priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(budget_bytes, solver, **solver_opts)

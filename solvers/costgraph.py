@@ -102,6 +102,23 @@ class GradBuffer:
 
 
 @dataclass(frozen=True)
+class BufferChange:
+    """Bytes something outside autograd allocates (``delta_bytes`` > 0) or frees (< 0) at a
+    fixed point of the step, whatever the schedule: FSDP2's all-gathered parameters, its
+    all-gather and reduce-scatter buffers and sharded gradients (``planner/fsdp.py``).
+
+    ``after``: ("fwd", i) once node i's forward is done (i = -1: as the step starts);
+    ("bwd", i) once node i's backward is done (i = len(nodes): as backward starts, once the
+    forward's outputs are released), so before any recomputation of a region ending at node
+    i - 1. Changes at one point apply in the order given.
+    """
+
+    after: tuple[str, int]
+    delta_bytes: int
+    what: str = ""
+
+
+@dataclass(frozen=True)
 class CostGraph:
     """A priced forward+backward step. ``nodes`` in execution order; ``tensors`` any order.
 
@@ -132,6 +149,9 @@ class CostGraph:
     # intervals [start, stop) a region may cover, each the ops of one call of one submodule.
     # None: any interval of allowed cuts.
     region_spans: frozenset[tuple[int, int]] | None = None
+    # Buffers held outside autograd at fixed points of the step (FSDP2's, per rank); the
+    # budget's baseline is what is allocated before the step, so these count.
+    buffer_changes: tuple[BufferChange, ...] = ()
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def node_time_s(self, i: int, backward: bool = False) -> float:

@@ -42,6 +42,10 @@ Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNor
         keeps a copy of their pre-step values from its forward to the end of its backward, and
         makes one more for each recomputation (``passes/rewrite.py``).
 Rule 10. Every region boundary is a cut that in-place writes allow (``solvers/cuts.py``).
+Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their fixed points of
+        the first forward and of backward, never during a recomputation: a change after node
+        i's backward comes before the recomputation of a region ending at node i - 1 (FSDP2
+        all-gathers a block for backward before autograd reaches the checkpoint inside it).
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
@@ -52,7 +56,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.costgraph import BufferChange, CostGraph, Region, Schedule
 from planner.solvers.cuts import forbidden_cuts
 
 ROOT = Region(0, 0, depth=-1)
@@ -155,6 +159,9 @@ class _Replay:
         self.holds: dict[tuple, list[int]] = {}  # key -> [device bytes, hold count]
         self.releases: dict[tuple, list[tuple]] = {}  # (ctx, event) -> keys to release
         self.grad_alloc, self.grad_free = gradient_bytes(graph)
+        self.changes: dict[tuple[str, int], list[BufferChange]] = {}
+        for c in graph.buffer_changes:
+            self.changes.setdefault(c.after, []).append(c)
         self.parent: dict[Region, Region] = {}
         self.stop_node: dict[Region, tuple[int, bool]] = {}
         self.starts_at: list[list[Region]] = [[] for _ in graph.nodes]
@@ -188,6 +195,13 @@ class _Replay:
         self.fetches: dict[tuple, list[int]] = {}  # (ctx, node) -> offloaded bytes it reads
 
     # -- bookkeeping -------------------------------------------------------------------------
+    def apply_changes(self, after: tuple[str, int]) -> None:
+        """See Rule 11: the buffers allocated or freed at this point, in order."""
+        for c in self.changes.get(after, ()):
+            self.live_bytes += c.delta_bytes
+            if c.delta_bytes > 0:
+                self._mark(c.what or f"buffer:{after[0]}:{after[1]}")
+
     def _hold(self, key: tuple, size: int, count: int) -> None:
         if count <= 0:
             return
@@ -265,6 +279,8 @@ class _Replay:
                 self.recompute_time_s += self.g.node_recompute_time_s(i)
             for t_i in self.used[i] + self.produced[i]:
                 self._release((ctx, t_i))  # one forward use, or the producer's own hold
+            if ctx is ROOT:
+                self.apply_changes(("fwd", i))
         if ctx is not ROOT:
             self._release_at(ctx, ("recompute_end",))
 
@@ -381,6 +397,7 @@ class _Replay:
             self._mark(f"{label}:{node.name}", node.bwd_temp_bytes + fetched)
             self.live_bytes -= self.grad_free[i]
             self._release_at(ctx, ("bwd", i))
+            self.apply_changes(("bwd", i))
             if region is not None and i == region.start:
                 self._release_at(ctx, ("region_end", region))  # an offload region's inputs
             i -= 1
@@ -468,8 +485,10 @@ def region_peak(p: RegionPrices, start: int, stop: int, keep: Collection[int] = 
 def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
     """Predict peak bytes, recompute FLOPs/time and a memory timeline for one training step."""
     replay = _Replay(graph, schedule)
+    replay.apply_changes(("fwd", -1))
     replay.forward(ROOT, "fwd")
     replay._release_at(ROOT, ("backward_start",))
+    replay.apply_changes(("bwd", len(graph.nodes)))
     replay.backward(ROOT)
     offload_time_s = 2 * replay.offload_bytes / graph.offload_bytes_per_s
     return Simulation(
