@@ -507,6 +507,12 @@ def with_measured_times(
         scale = min(2.0, max(0.25, extra_s / max(forward_s, 1e-12)))
         graph = dataclasses.replace(graph, recompute_scale=scale)
         how += f"; recomputation x {scale:.2f} of forward (a step checkpointed whole)"
+    if step_time is not None and None not in (step_time.checkpointed_s, step_time.selective_s):
+        # The same, under a selective policy that recomputes every op: the policy's dispatch,
+        # per node, in forward and in the recomputation.
+        per_node_s = (step_time.selective_s - step_time.checkpointed_s) / len(nodes)
+        graph = dataclasses.replace(graph, selective_node_overhead_s=max(0.0, per_node_s))
+        how += f"; selective policy + {max(0.0, per_node_s) * 1e6:.1f} us per node"
     return dataclasses.replace(graph, meta={**graph.meta, "timing": how})
 
 

@@ -26,6 +26,9 @@ class StepTime:
     # The same step with the module's whole forward under one checkpoint (None: not measured):
     # what recomputation really costs on this device, beside the ops' forward.
     checkpointed_s: float | None = None
+    # ... and under a selective policy that recomputes every op: what the policy's per-op
+    # dispatch adds (None: not measured).
+    selective_s: float | None = None
 
     @property
     def step_s(self) -> float:

@@ -27,6 +27,7 @@ first. Gradients of input tensors that require grad are not restored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import statistics
@@ -41,7 +42,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.passes.step import LossFn, StepTime, call, split_input, training_loss
@@ -145,9 +150,9 @@ def measured_step_time(
 ) -> StepTime | None:
     """The step's time as a planner prices it on its own device: a warm-up step, then the
     median of enough steps to fill a quarter of a second (3 to 15), and as many with the whole
-    forward under one non-reentrant checkpoint (``StepTime.checkpointed_s``; None if the model
-    cannot run that way). None when the unplanned step does not fit in the device's memory
-    (the reason to plan)."""
+    forward under one non-reentrant checkpoint, plain and selective (``StepTime.checkpointed_s``,
+    ``selective_s``; None if the model cannot run that way). None when the unplanned step does
+    not fit in the device's memory (the reason to plan)."""
     try:
         first = time_step(module_or_model, example_input, loss_fn, warmup=1, repeats=1)
         repeats = min(15, max(3, math.ceil(0.25 / max(first.step_s, 1e-6))))
@@ -155,21 +160,39 @@ def measured_step_time(
     except torch.cuda.OutOfMemoryError:
         return None
     try:
-        whole = _CheckpointedWhole(module_or_model)
-        checkpointed = time_step(whole, example_input, loss_fn, warmup=1, repeats=repeats)
+        timed = [
+            time_step(
+                _CheckpointedWhole(module_or_model, selective),
+                example_input,
+                loss_fn,
+                warmup=1,
+                repeats=repeats,
+            ).step_s
+            for selective in (False, True)
+        ]
     except Exception:  # e.g. a forward that cannot run twice alike: leave recomputation unfitted
         return plain
-    return dataclasses.replace(plain, checkpointed_s=checkpointed.step_s)
+    return dataclasses.replace(plain, checkpointed_s=timed[0], selective_s=timed[1])
+
+
+def _recompute_every_op(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _CheckpointedWhole(torch.nn.Module):
-    """``inner``'s whole forward under one non-reentrant checkpoint (for timing only)."""
+    """``inner``'s whole forward under one non-reentrant checkpoint (for timing only); with
+    ``selective``, under a selective policy that recomputes every op."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, selective: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.selective = selective
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.selective:
+            kwargs["context_fn"] = functools.partial(
+                create_selective_checkpoint_contexts, _recompute_every_op
+            )
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
