@@ -223,16 +223,13 @@ def per_rank(model: torch.nn.Module, eg: EagerGraph, config: FSDPConfig) -> Eage
     spans that lie inside one unit (a checkpoint crossing a unit boundary would run FSDP2's
     hooks inside its recomputation)."""
     changes = fsdp_changes(model, eg, config)
-    root, *blocks = _units(model, eg, config)
+    blocks = _units(model, eg, config)[1:]
     spans = {
-        span: path
-        for span, path in eg.spans.items()
+        (start, stop): path
+        for (start, stop), path in eg.spans.items()
         if all(
-            span[1] <= u.start or span[0] >= u.stop or u.start <= span[0] and span[1] <= u.stop
+            stop <= u.start or start >= u.stop or u.start <= start and stop <= u.stop
             for u in blocks
-        )
-        and not any(
-            span[0] <= u.start and u.stop <= span[1] and span != (u.start, u.stop) for u in blocks
         )
     }
     graph = replace(
