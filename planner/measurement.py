@@ -149,13 +149,13 @@ def measured_step_time(
     module_or_model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None = None
 ) -> StepTime | None:
     """The step's time as a planner prices it on its own device: a warm-up step, then the
-    median of enough steps to fill a quarter of a second (3 to 15), and as many with the whole
+    median of enough steps to fill a tenth of a second (3 to 9), and as many with the whole
     forward under one non-reentrant checkpoint, plain and selective (``StepTime.checkpointed_s``,
     ``selective_s``; None if the model cannot run that way). None when the unplanned step does
     not fit in the device's memory (the reason to plan)."""
     try:
         first = time_step(module_or_model, example_input, loss_fn, warmup=1, repeats=1)
-        repeats = min(15, max(3, math.ceil(0.25 / max(first.step_s, 1e-6))))
+        repeats = min(9, max(3, math.ceil(0.1 / max(first.step_s, 1e-6))))
         plain = time_step(module_or_model, example_input, loss_fn, warmup=0, repeats=repeats)
     except torch.cuda.OutOfMemoryError:
         return None
