@@ -1,20 +1,22 @@
 """``dp``: a Rotor-style dynamic programme over the linearised graph.
 
-Its claim: among the laminar families of recompute regions of its space, dp finds one of
-least recompute time whose peak *by simulate* fits the budget. Its prices are ``simulate``'s
-Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its last save,
-the last saving node stops after that save, and a nested region that is the last save is not
-run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule 3: to
-the end of the nested region's own recomputation unless it saves them). Asserted against brute
-force (every laminar family, scored by ``simulate``) at every budget on random chains, DAGs with
-skips and held storages, and chains with in-place writes, with Rule 5 on and off
-(``tests/solvers/test_dp_exactness.py``). Not in that exact space, and priced by upper bounds
-instead: selective regions (recomputed to their end, their cache held for the whole region,
-from ``simulate.region_peak``), and two rules estimated graphs use: Python-held storages
-(``Tensor.freed_after``, Rule 1) and buffer copies (Rule 9) -- :func:`solve_dp` replays its
-answer through ``simulate``. ``Schedule.gap`` is 0.0 only when the space was every interval of
-the uncoarsened graph on a 1-byte grid and the graph uses neither of those two rules; the note
-names the space searched.
+Its claim: among the laminar families of recompute regions of its space, dp finds one of least
+predicted step time (recompute time plus each region's bookkeeping,
+``CostGraph.region_overhead_s``) whose peak *by simulate* fits the budget. Its prices are
+``simulate``'s Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its
+last save, the last saving node stops after that save, and a nested region that is the last save
+is not run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule
+3: to the end of the nested region's own recomputation unless it saves them). Asserted against
+brute force (every laminar family, scored by ``simulate``) at every budget on random chains,
+DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
+(``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
+recomputed to their end with their cache held for the whole region (``simulate.region_peak``),
+and two rules only estimated graphs use, which dp does not model, so its prices may differ from
+simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1) and buffer copies (Rule
+9). :func:`solve_dp` replays its answer through ``simulate`` and never returns a plan above the
+budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of the uncoarsened
+graph on a 1-byte grid and the graph uses neither of those two rules; the note names the space
+searched.
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -144,6 +146,7 @@ class _Prices:
     # region's end), and the storages a node allocates after its last save.
     rule5_saves: tuple[bool, ...] | None
     after_last_save: tuple[bool, ...]
+    region_s: float  # each region's own bookkeeping time (CostGraph.region_overhead_s)
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -219,6 +222,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         grad_after_raw=tuple(g + total for g in grad_after),
         rule5_saves=rule5_saves(graph),
         after_last_save=tuple(t.after_last_save for t in graph.tensors),
+        region_s=graph.region_overhead_s,
     )
 
 
@@ -424,7 +428,7 @@ class _Programme:
         rest = self.value(j, b, nxt, root, True, 0)
         if rest[-1] == INF:
             return best
-        cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
+        cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set) + p.region_s
         need = max(fwd, held + p.grad_after[j] + inner)
         v = _shifted(rest, kept_bytes) + cost
         v[: max(need, 0)] = INF
@@ -513,7 +517,11 @@ class _Programme:
     def _key(self, c, b, crossing, root, whole_ok, d):
         if root:
             return ("root", c, crossing, d)
-        cross = tuple((self._tensor_sig(t, b), kept) for t, kept in crossing)
+        # An argument held to the recomputation's end (Rule 3) matters by its size alone.
+        cross = tuple(
+            (self.p.size[t],) if kept == ARG else (self._tensor_sig(t, b), kept)
+            for t, kept in crossing
+        )
         return (self.suffix_id(c, b), cross, whole_ok, d)
 
     # -- the recursion -----------------------------------------------------------------------
@@ -628,7 +636,7 @@ class _Programme:
                     # only their backward, with the child's arguments still alive (Rule 3).
                     inner = self.value(c, j, inner_crossing, False, False, depth + 1)
                     kept = sum(p.size[t] for t, k in crossing if k is True)
-                    v = _shifted(inner, inner_shift)
+                    v = _shifted(inner, inner_shift) + p.region_s
                     v[: kept + args + self.bwd_max(j, b)] = INF
                     better = v < best
                     if better.any():
@@ -658,7 +666,8 @@ class _Programme:
                 if rest[-1] == INF:
                     continue
                 v = _shifted(inner, inner_shift) + _shifted(rest, kept_bytes)
-                v += run_s(j) - run_s(c)  # the child runs in this context's recomputation
+                # the child runs in this context's recomputation, and has its own bookkeeping
+                v += run_s(j) - run_s(c) + p.region_s
                 v[:fwd] = INF
                 better = v < best
                 if better.any():
