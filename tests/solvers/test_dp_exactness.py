@@ -12,6 +12,7 @@ schedule that fits under ``simulate`` with brute force's least recompute time.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -92,3 +93,35 @@ def test_solve_dp_equals_brute_force_with_rule5(seed, n, kind):
         sim = simulate(graph, got)
         assert sim.peak_bytes <= budget
         assert sim.recompute_time_s <= want[0] + 1e-9
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 4),
+    kind=st.integers(0, 2),
+    early_stop=st.booleans(),
+    link=st.sampled_from((1e8, 1e9, 1e10)),
+    overlap=st.sampled_from((0.0, 0.5, 1.0)),
+)
+def test_dp_with_offload_equals_brute_force_under_simulate(
+    seed, n, kind, early_stop, link, overlap
+):
+    """Offload in the space (top-level offload regions, Rule 7): dp's least budget is brute
+    force's, and at every budget its schedule adds brute force's least time to the step
+    (recompute plus exposed transfers)."""
+    rng = random.Random(seed)
+    graph = GENERATORS[kind](rng, n)
+    if early_stop:
+        graph = with_saves(rng, graph)
+    graph = replace(graph, offload_bytes_per_s=link, offload_overlap=overlap)
+    scored = score_all(graph, offload=True)
+    eager = simulate(graph, Schedule()).peak_bytes
+    options = DPOptions(max_span=None, grid=max(1, eager), selective=False, offload=True)
+    solved = solve_all(graph, eager, options)
+    assert solved.least_bytes() == scored.least_bytes
+    for budget in range(scored.least_bytes, eager + 1):
+        sim = simulate(graph, solved.schedule(budget))
+        assert sim.peak_bytes <= budget
+        want = scored.best(budget)[0]
+        assert sim.step_time_s - graph.step_time_s == pytest.approx(want, rel=1e-9, abs=1e-12)
