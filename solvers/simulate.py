@@ -76,6 +76,8 @@ class Simulation:
     offload_bytes: int
     offload_time_s: float
     timeline: tuple[tuple[str, int], ...]
+    # Bytes each offload region sent to host (Rule 7), in schedule order.
+    offloaded: tuple[tuple[Region, int], ...] = ()
     # Forward + backward (CostGraph.step_time_s) + recompute + exposed offload transfers,
     # + each region's own bookkeeping (CostGraph.region_overhead_s).
     step_time_s: float = 0.0
@@ -506,6 +508,7 @@ def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
         recompute_time_s=replay.recompute_time_s,
         offload_bytes=replay.offload_bytes,
         offload_time_s=transfer_s,
+        offloaded=tuple(replay.offloaded.items()),
         timeline=tuple(replay.timeline),
         step_time_s=graph.step_time_s
         + replay.recompute_time_s
