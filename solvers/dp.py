@@ -18,6 +18,13 @@ budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of 
 graph on a 1-byte grid and the graph uses neither of those two rules; the note names the space
 searched.
 
+With ``DPOptions.offload`` (off by default) the space also holds top-level offload regions with
+nothing nested in them (simulate's Rule 7: saves sent to host, transfers partly hidden behind the
+region's compute), priced as the time they add to the step; exact against brute force over the
+same space too. It is off by default because on a CPU the host is the device (an offload frees
+nothing there), and the in-place form does not run offload regions: dp never offers them on a
+graph with region spans.
+
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
 At a cut it knows the *crossing state* -- each storage produced earlier in the context that a
