@@ -34,10 +34,13 @@ def _budgets(graph, scored, rng):
     return [least - 1, least, rng.randint(least, eager), eager]
 
 
-def _assert_dp_equals_brute_force(graph) -> None:
-    scored = score_all(graph)
+def _assert_dp_equals_brute_force(graph, offload: bool = False) -> None:
+    """Same least budget; at every budget up to the eager peak a schedule that fits and costs
+    brute force's least: recompute time, or with ``offload`` the time added to the step."""
+    scored = score_all(graph, offload=offload)
     eager = simulate(graph, Schedule()).peak_bytes
-    solved = solve_all(graph, eager, DPOptions(max_span=None, grid=max(1, eager), selective=False))
+    options = DPOptions(max_span=None, grid=max(1, eager), selective=False, offload=offload)
+    solved = solve_all(graph, eager, options)
     assert solved.unit_bytes == 1
     assert solved.least_bytes() == scored.least_bytes
     assert solved.schedule(scored.least_bytes - 1) is None
@@ -45,8 +48,9 @@ def _assert_dp_equals_brute_force(graph) -> None:
         schedule = solved.schedule(budget)
         sim = simulate(graph, schedule)
         assert sim.peak_bytes <= budget, (budget, schedule.regions)
+        got = sim.step_time_s - graph.step_time_s if offload else sim.recompute_time_s
         want = scored.best(budget)[0]
-        assert sim.recompute_time_s == pytest.approx(want, abs=1e-9), (budget, schedule.regions)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (budget, schedule.regions)
 
 
 @settings(max_examples=120, deadline=None, derandomize=True)
@@ -115,13 +119,4 @@ def test_dp_with_offload_equals_brute_force_under_simulate(
     if early_stop:
         graph = with_saves(rng, graph)
     graph = replace(graph, offload_bytes_per_s=link, offload_overlap=overlap)
-    scored = score_all(graph, offload=True)
-    eager = simulate(graph, Schedule()).peak_bytes
-    options = DPOptions(max_span=None, grid=max(1, eager), selective=False, offload=True)
-    solved = solve_all(graph, eager, options)
-    assert solved.least_bytes() == scored.least_bytes
-    for budget in range(scored.least_bytes, eager + 1):
-        sim = simulate(graph, solved.schedule(budget))
-        assert sim.peak_bytes <= budget
-        want = scored.best(budget)[0]
-        assert sim.step_time_s - graph.step_time_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+    _assert_dp_equals_brute_force(graph, offload=True)
