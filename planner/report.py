@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from planner.solvers.costgraph import CostGraph, Region, Tensor
+from planner.solvers.simulate import offload_time_s
 
 if TYPE_CHECKING:
     from planner.planning import Plan
@@ -90,6 +91,10 @@ class RegionCost:
     freed_bytes: int  # saved storages no longer kept on the device (recomputed or offloaded)
     recompute_flops: int
     recompute_time_s: float
+    offload_bytes: int = 0  # an offload region's saves sent to host
+    transfer_time_s: float = 0.0  # what its transfers add to the step (simulate's Rule 7)
+    # what recomputing the region instead would cost: its nodes' forward time
+    recompute_instead_s: float = 0.0
 
 
 def region_costs(plan: Plan) -> list[RegionCost]:
@@ -111,10 +116,21 @@ def region_costs(plan: Plan) -> list[RegionCost]:
         innermost = max((s for s in spans if i in s), key=lambda s: s.depth)
         flops[innermost] += graph.nodes[i].fwd_flops
         time_s[innermost] += graph.node_recompute_time_s(i)
-    return [
-        RegionCost(r.name, r.kind, freed[s], flops[s], time_s[s])
-        for r, s in zip(plan.regions, spans)
-    ]
+    sent = dict(plan.simulation.offloaded)
+    costs = []
+    for r, s in zip(plan.regions, spans):
+        cost = RegionCost(r.name, r.kind, freed[s], flops[s], time_s[s])
+        if s.kind == "offload":
+            cost = replace(
+                cost,
+                offload_bytes=sent.get(s, 0),
+                transfer_time_s=offload_time_s(graph, s.start, s.stop, sent.get(s, 0)),
+                recompute_instead_s=sum(
+                    graph.node_recompute_time_s(i) for i in range(s.start, s.stop)
+                ),
+            )
+        costs.append(cost)
+    return costs
 
 
 def model_parts(graph: CostGraph, span: Region, limit: int = 3) -> str:
@@ -155,6 +171,17 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             f"(recomputed or offloaded instead); the predicted peak counts what recomputation "
             f"needs itself"
         )
+    for cost in costs:
+        if cost.kind == "offload":
+            lines.append(
+                f"{cost.name} offloaded {format_bytes(cost.offload_bytes)} to host: transfer "
+                f"{format_ms(cost.transfer_time_s)} < recompute "
+                f"{format_ms(cost.recompute_instead_s)}"
+                if cost.transfer_time_s < cost.recompute_instead_s
+                else f"{cost.name} offloaded {format_bytes(cost.offload_bytes)} to host: "
+                f"transfer {format_ms(cost.transfer_time_s)}, recompute "
+                f"{format_ms(cost.recompute_instead_s)} (chosen for memory, not time)"
+            )
     if verbose:
         gap = plan.schedule.gap
         lines.append(
@@ -164,10 +191,13 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         )
     table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
     columns = ["region", "kind", "covers", "frees", "recompute", "recompute time"]
+    offloads = any(c.kind == "offload" for c in costs)
+    if offloads:
+        columns += ["offloaded", "transfer"]
     if verbose:
         columns[2:2] = ["depth", "nodes", "kept nodes"]
     for column in columns:
-        numeric = column in ("frees", "recompute", "recompute time", "depth", "nodes", "kept nodes")
+        numeric = column not in ("region", "kind", "covers")
         # the names are what a user looks up (p.module.<name>): never cut them
         table.add_column(column, justify="right" if numeric else "left", no_wrap=column == "region")
     spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
@@ -180,12 +210,16 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             format_flops(cost.recompute_flops, unit),
             format_ms(cost.recompute_time_s),
         ]
+        if offloads:
+            cells += [format_bytes(cost.offload_bytes), format_ms(cost.transfer_time_s)]
         if verbose:
             cells[2:2] = [str(region.depth), str(len(region.nodes)), str(len(region.saved_nodes))]
         table.add_row(*cells)
     if plan.regions:
         total = ["total", "", "", format_bytes(freed_bytes)]
         total += [format_flops(sim.recompute_flops, unit), format_ms(sim.recompute_time_s)]
+        if offloads:
+            total += [format_bytes(sim.offload_bytes), format_ms(sim.offload_time_s)]
         if verbose:
             total[2:2] = ["", "", ""]
         table.add_section()

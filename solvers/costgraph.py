@@ -134,6 +134,10 @@ class CostGraph:
     bytes_per_s: float = 1e10
     # Host<->device transfer rate that offload regions are charged at.
     offload_bytes_per_s: float = 1e10
+    # The fraction of an offload region's own compute that its transfers can hide behind (a
+    # copy stream beside the compute stream; 0: transfers are fully exposed). See simulate's
+    # Rule 7.
+    offload_overlap: float = 0.0
     grad_buffers: tuple[GradBuffer, ...] | None = None
     # What a checkpoint region adds to a step's time beyond recomputing its nodes
     # (region_overhead_time_s; measured on the device by passes/op_timing.py, 0 for roofline

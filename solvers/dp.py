@@ -1,20 +1,29 @@
 """``dp``: a Rotor-style dynamic programme over the linearised graph.
 
-Its claim: among the laminar families of recompute regions of its space, dp finds one of
-least recompute time whose peak *by simulate* fits the budget. Its prices are ``simulate``'s
-Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its last save,
-the last saving node stops after that save, and a nested region that is the last save is not
-run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule 3: to
-the end of the nested region's own recomputation unless it saves them). Asserted against brute
-force (every laminar family, scored by ``simulate``) at every budget on random chains, DAGs with
-skips and held storages, and chains with in-place writes, with Rule 5 on and off
-(``tests/solvers/test_dp_exactness.py``). Not in that exact space, and priced by upper bounds
-instead: selective regions (recomputed to their end, their cache held for the whole region,
-from ``simulate.region_peak``), and two rules estimated graphs use: Python-held storages
-(``Tensor.freed_after``, Rule 1) and buffer copies (Rule 9) -- :func:`solve_dp` replays its
-answer through ``simulate``. ``Schedule.gap`` is 0.0 only when the space was every interval of
-the uncoarsened graph on a 1-byte grid and the graph uses neither of those two rules; the note
-names the space searched.
+Its claim: among the laminar families of recompute regions of its space, dp finds one of least
+predicted step time (recompute time plus each region's bookkeeping,
+``CostGraph.region_overhead_s``) whose peak *by simulate* fits the budget. Its prices are
+``simulate``'s Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its
+last save, the last saving node stops after that save, and a nested region that is the last save
+is not run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule
+3: to the end of the nested region's own recomputation unless it saves them). Asserted against
+brute force (every laminar family, scored by ``simulate``) at every budget on random chains,
+DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
+(``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
+recomputed to their end with their cache held for the whole region (``simulate.region_peak``),
+and two rules only estimated graphs use, which dp does not model, so its prices may differ from
+simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1) and buffer copies (Rule
+9). :func:`solve_dp` replays its answer through ``simulate`` and never returns a plan above the
+budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of the uncoarsened
+graph on a 1-byte grid and the graph uses neither of those two rules; the note names the space
+searched.
+
+With ``DPOptions.offload`` (off by default) the space also holds top-level offload regions with
+nothing nested in them (simulate's Rule 7: saves sent to host, transfers partly hidden behind the
+region's compute), priced as the time they add to the step; exact against brute force over the
+same space too. It is off by default because on a CPU the host is the device (an offload frees
+nothing there), and the in-place form does not run offload regions: dp never offers them on a
+graph with region spans.
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -73,7 +82,13 @@ from planner.solvers.greedy import GreedyOptions, solve_greedy
 from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.revolve import RevolveOptions, solve_revolve
 from planner.solvers.selective import is_matmul, out_bytes, worth_keeping
-from planner.solvers.simulate import gradient_bytes, region_peak, rule5_saves, simulate
+from planner.solvers.simulate import (
+    exposed_transfer_s,
+    gradient_bytes,
+    region_peak,
+    rule5_saves,
+    simulate,
+)
 
 INF = math.inf
 # A crossing storage's flag: False (read later in the context), True (kept for backward), or
@@ -110,6 +125,8 @@ class DPOptions(SolverOptions):
     selective: bool = True
     coarse_span: int = DEFAULT_COARSE_SPAN
     max_bounds: int | None = DEFAULT_MAX_BOUNDS
+    # Also offer top-level offload regions (simulate's Rule 7), on graphs without region spans.
+    offload: bool = False
 
 
 class OutOfTime(Exception):
@@ -129,7 +146,7 @@ class _Prices:
     is_output: tuple[bool, ...]
     produced: tuple[tuple[int, ...], ...]
     saves: tuple[frozenset[int], ...]  # tensors each node saves for backward
-    time_s: tuple[float, ...]
+    time_s: tuple[float, ...]  # each node's recomputation (CostGraph.node_recompute_time_s)
     prefix_time_s: tuple[float, ...]
     fwd_temp: tuple[int, ...]
     bwd_temp: tuple[int, ...]
@@ -147,6 +164,11 @@ class _Prices:
     # region's end), and the storages a node allocates after its last save.
     rule5_saves: tuple[bool, ...] | None
     after_last_save: tuple[bool, ...]
+    size_bytes: tuple[int, ...]  # storage sizes in bytes, for offload transfer times
+    fwd_prefix_s: tuple[float, ...]  # forward and backward time, for offload overlap (Rule 7)
+    bwd_prefix_s: tuple[float, ...]
+    offload_bytes_per_s: float
+    offload_overlap: float
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -188,9 +210,11 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         grad_after[i] = live
     out = out_bytes(graph)
     times = [graph.node_recompute_time_s(i) for i in range(n)]
-    prefix = [0.0]
-    for t_s in times:
+    prefix, fwd_prefix, bwd_prefix = [0.0], [0.0], [0.0]
+    for i, t_s in enumerate(times):
         prefix.append(prefix[-1] + t_s)
+        fwd_prefix.append(fwd_prefix[-1] + graph.node_time_s(i))
+        bwd_prefix.append(bwd_prefix[-1] + graph.node_time_s(i, backward=True))
 
     def units(x: int) -> int:  # round up: the rounded model never under-counts
         return -(-x // unit_bytes)
@@ -223,6 +247,11 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         overhead_s=graph.checkpoint_overhead_s,
         rule5_saves=rule5_saves(graph),
         after_last_save=tuple(t.after_last_save for t in graph.tensors),
+        size_bytes=tuple(t.size_bytes for t in graph.tensors),
+        fwd_prefix_s=tuple(fwd_prefix),
+        bwd_prefix_s=tuple(bwd_prefix),
+        offload_bytes_per_s=graph.offload_bytes_per_s,
+        offload_overlap=graph.offload_overlap,
     )
 
 
@@ -268,8 +297,11 @@ class _Programme:
         selective: bool,
         deadline: float | None = None,
         spans: frozenset[tuple[int, int]] | None = None,
+        offload: bool = False,
     ) -> None:
         self.p = p
+        # Top-level offload regions; not on module-granular graphs (the in-place form has none).
+        self.offload = offload and spans is None
         self.deadline = deadline
         # Region boundaries only after nodes that allocate (a cut after a view is the same cut
         # as the one before it, and skipping it leaves fewer states), never where an in-place
@@ -518,21 +550,39 @@ class _Programme:
     def _key(self, c, b, crossing, root, whole_ok, d):
         if root:
             return ("root", c, crossing, d)
-        cross = tuple((self._tensor_sig(t, b), kept) for t, kept in crossing)
+        # An argument held to the recomputation's end (Rule 3) matters by its size alone.
+        cross = tuple(
+            (self.p.size[t],) if kept == ARG else (self._tensor_sig(t, b), kept)
+            for t, kept in crossing
+        )
         return (self.suffix_id(c, b), cross, whole_ok, d)
 
     # -- the recursion -----------------------------------------------------------------------
-    def step(self, i: int, b: int, crossing: tuple, root: bool, partial: bool = False):
+    def step(
+        self,
+        i: int,
+        b: int,
+        crossing: tuple,
+        root: bool,
+        partial: bool = False,
+        offload: tuple[int, int] | None = None,
+    ):
         """Node i unchecked: (bytes its events need, bytes it leaves kept, crossing after).
         ``partial``: a recomputation stopping at i, after its last save (Rule 5), so without
-        what i allocates after it."""
+        what i allocates after it. ``offload``: i lies in an offload region over those nodes,
+        which sends what i saves of the storages made inside it to host, and brings it back
+        for i's backward (Rule 7)."""
         p = self.p
         own, saves = p.produced[i], p.saves[i]
+        fetched = 0
+        if offload is not None:
+            sent = {t for t in saves if offload[0] <= p.producer[t] < offload[1]}
+            saves, fetched = saves - sent, sum(p.size[t] for t in sent)
         if partial:
             own = tuple(t for t in own if not p.after_last_save[t])
         fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
         fwd += p.held_fwd[i] if root else 0
-        bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
+        bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i] + fetched
         bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
         kept_bytes, nxt = 0, []
@@ -681,7 +731,44 @@ class _Programme:
                     )
                     choice[better] = len(options) - 1
                     np.minimum(best, v, out=best)
+        if root and self.offload and (self.max_depth is None or depth < self.max_depth):
+            best = self.offload_options(c, b, crossing, best, choice, options)
         self.memo[key] = (best, c, options, choice)
+        return best
+
+    def offload_options(self, c, b, crossing, best, choice, options):
+        """Nodes [c, j) as a top-level offload region, for each allowed end j: they run once,
+        what they save of their own storages goes to host and comes back for the backward
+        that reads it, their arguments stay to the region's end (Rule 7); no recomputation,
+        the exposed transfer time instead."""
+        p = self.p
+        for j in self.region_ends(c, b):
+            args = tuple(sorted((t, kept or self.needed_in(t, c, j)) for t, kept in crossing))
+            need, kept_bytes, sent_bytes, nxt = 0, 0, 0, args
+            for i in range(c, j):
+                more, kept_more, nxt = self.step(i, b, nxt, True, offload=(c, j))
+                need = max(need, kept_bytes + more)
+                kept_bytes += kept_more
+                sent_bytes += sum(p.size_bytes[t] for t in p.saves[i] if c <= p.producer[t] < j)
+            if need >= self.size:
+                break  # the region's working set only grows with j
+            rest = self.value(j, b, nxt, True, True, 0)
+            if rest[-1] == INF:
+                continue
+            transfer_s = exposed_transfer_s(
+                sent_bytes,
+                p.fwd_prefix_s[j] - p.fwd_prefix_s[c],
+                p.bwd_prefix_s[j] - p.bwd_prefix_s[c],
+                p.offload_bytes_per_s,
+                p.offload_overlap,
+            )
+            v = _shifted(rest, kept_bytes) + (transfer_s + p.overhead_s(c, j, "offload"))
+            v[:need] = INF
+            better = v < best
+            if better.any():
+                options.append(("offload", c, j, self.key(j, b, nxt, True, True, 0), kept_bytes))
+                choice[better] = len(options) - 1
+                np.minimum(best, v, out=best)
         return best
 
     def regions(self, key, m: int, at: int, depth: int = 0) -> list[Region]:
@@ -697,6 +784,10 @@ class _Programme:
             if option[0] == "run":
                 _, nxt_at, key, kept_bytes = option
                 at, m = nxt_at + offset, m - kept_bytes
+            elif option[0] == "offload":
+                _, c, j, key, kept_bytes = option
+                out.append(Region(c + offset, j + offset, depth, "offload"))
+                at, m = j + offset, m - kept_bytes
             elif option[0] == "selective":
                 _, c, j, keep, key, kept_bytes = option
                 saved = frozenset(i + offset for i in keep)
@@ -814,6 +905,7 @@ def solve_all(
         options.selective,
         deadline,
         graph.region_spans,
+        options.offload,
     )
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * p.n + 1000))

@@ -35,7 +35,10 @@ Rule 6. Selective regions keep every output of their ``saved_nodes`` (SAC caches
         cache entry the recomputation never reaches (Rule 5 stops it first) lives until the
         region's backward ends.
 Rule 7. Offload regions keep what they save in host memory and bring each storage back when the
-        backward that needs it runs.
+        backward that needs it runs. Each way, the transfer hides behind up to
+        ``CostGraph.offload_overlap`` of the region's own compute in that direction (its
+        forward while copying out, its backward while prefetching back); the rest is exposed
+        step time (:func:`offload_time_s`).
 Rule 8. Storages ``held_to_end`` (autocast's weight copies) live from their first forward to the
         end of the step; recomputation reuses them.
 Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNorm statistics)
@@ -77,7 +80,9 @@ class Simulation:
     offload_bytes: int
     offload_time_s: float
     timeline: tuple[tuple[str, int], ...]
-    # Forward + backward (CostGraph.step_time_s) + recompute + offload transfers, unoverlapped,
+    # Bytes each offload region sent to host (Rule 7), in schedule order.
+    offloaded: tuple[tuple[Region, int], ...] = ()
+    # Forward + backward (CostGraph.step_time_s) + recompute + exposed offload transfers,
     # + each region's own bookkeeping (CostGraph.region_overhead_time_s).
     step_time_s: float = 0.0
 
@@ -192,6 +197,7 @@ class _Replay:
         self.recompute_flops = 0
         self.recompute_time_s = 0.0
         self.offload_bytes = 0
+        self.offloaded: dict[Region, int] = {}  # offload region -> bytes it sent to host
         self.fetches: dict[tuple, list[int]] = {}  # (ctx, node) -> offloaded bytes it reads
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -351,6 +357,7 @@ class _Replay:
                 kept_for.add(owner)  # its backward reads the cached output
             elif owner.kind == "offload":
                 self.offload_bytes += t.size_bytes
+                self.offloaded[owner] = self.offloaded.get(owner, 0) + t.size_bytes
                 self.fetches.setdefault((ctx, s), []).append(t.size_bytes)
         for u in set(t.users):
             owner = self._owner(u, children)
@@ -401,6 +408,26 @@ class _Replay:
             if region is not None and i == region.start:
                 self._release_at(ctx, ("region_end", region))  # an offload region's inputs
             i -= 1
+
+
+def offload_time_s(graph: CostGraph, start: int, stop: int, offloaded_bytes: float) -> float:
+    """See Rule 7: the step time an offload region over nodes [start, stop) that sends
+    ``offloaded_bytes`` to host and back adds, once its transfers hide behind up to
+    ``graph.offload_overlap`` of its own forward and backward compute."""
+    fwd_s = sum(graph.node_time_s(i) for i in range(start, stop))
+    bwd_s = sum(graph.node_time_s(i, backward=True) for i in range(start, stop))
+    return exposed_transfer_s(
+        offloaded_bytes, fwd_s, bwd_s, graph.offload_bytes_per_s, graph.offload_overlap
+    )
+
+
+def exposed_transfer_s(
+    offloaded_bytes: float, fwd_s: float, bwd_s: float, bytes_per_s: float, overlap: float
+) -> float:
+    """See Rule 7: the exposed time of ``offloaded_bytes`` sent to host at ``bytes_per_s``
+    during ``fwd_s`` of compute and brought back during ``bwd_s``, ``overlap`` of each hidden."""
+    each_way_s = offloaded_bytes / bytes_per_s
+    return max(0.0, each_way_s - overlap * fwd_s) + max(0.0, each_way_s - overlap * bwd_s)
 
 
 def rule5_saves(graph: CostGraph) -> tuple[bool, ...] | None:
@@ -490,17 +517,20 @@ def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
     replay._release_at(ROOT, ("backward_start",))
     replay.apply_changes(("bwd", len(graph.nodes)))
     replay.backward(ROOT)
-    offload_time_s = 2 * replay.offload_bytes / graph.offload_bytes_per_s
+    transfer_s = sum(
+        offload_time_s(graph, r.start, r.stop, size) for r, size in replay.offloaded.items()
+    )
     return Simulation(
         peak_bytes=replay.peak_bytes,
         peak_event=replay.peak_event,
         recompute_flops=replay.recompute_flops,
         recompute_time_s=replay.recompute_time_s,
         offload_bytes=replay.offload_bytes,
-        offload_time_s=offload_time_s,
+        offload_time_s=transfer_s,
+        offloaded=tuple(replay.offloaded.items()),
         timeline=tuple(replay.timeline),
         step_time_s=graph.step_time_s
         + replay.recompute_time_s
-        + offload_time_s
+        + transfer_s
         + sum(graph.region_overhead_time_s(r) for r in schedule.regions),
     )

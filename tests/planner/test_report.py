@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import planner
 from benchmarks.models import gpt_ref_small_example
 from planner.planning import price
 from planner.plots import node_bytes
@@ -43,6 +44,8 @@ def assert_adds_up(plan):
     # bytes: every dropped storage is charged to exactly one region, as the node plot shows
     per_node = node_bytes(plan.graph, list(plan.schedule.regions))
     assert sum(c.freed_bytes for c in costs) == sum(r + o for _, r, o in per_node)
+    assert sum(c.offload_bytes for c in costs) == sim.offload_bytes
+    assert sum(c.transfer_time_s for c in costs) == pytest.approx(sim.offload_time_s)
     return costs
 
 
@@ -130,3 +133,28 @@ def test_solver_internals_only_in_the_verbose_summary(nested_plan):
     assert p.schedule.note in verbose
     for word in ("MiB", "MFLOPs", "ms", "solver 'dp'"):
         assert word in p.summary()
+
+
+def test_summary_says_what_each_offload_region_sends_and_why():
+    """dp with offload on a device whose host link is far faster than its compute (so offload
+    is the cheaper way to fit): the summary's rows and totals show the bytes sent to host and
+    the exposed transfer time, and a line per offload region compares its transfer with
+    recomputing it."""
+    model, x = gpt_ref_small_example()
+    fast_link = planner.DeviceProfile("fast-link", 1e12, 1e11, host_bytes_per_s=1e14)
+    eager = planner.plan(model, x, 1e3, solver="none", device=fast_link).baseline_peak_bytes
+    p = planner.plan(model, x, 0.6 * eager / 1e9, solver="dp", device=fast_link, offload=True)
+    costs = assert_adds_up(p)
+    offloaded = [c for c in costs if c.kind == "offload"]
+    assert offloaded, [r.kind for r in p.regions]
+    text = p.summary()
+    total = text.split("total", 1)[1].splitlines()[0]
+    assert format_bytes(p.simulation.offload_bytes) in total
+    assert format_ms(p.simulation.offload_time_s) in total
+    for cost in offloaded:
+        assert cost.offload_bytes > 0
+        row = next(line for line in text.splitlines() if f" {cost.name} " in line)
+        assert format_bytes(cost.offload_bytes) in row and format_ms(cost.transfer_time_s) in row
+        why = f"{cost.name} offloaded {format_bytes(cost.offload_bytes)} to host: transfer "
+        assert why + f"{format_ms(cost.transfer_time_s)} < recompute" in text
+        assert cost.transfer_time_s < cost.recompute_instead_s

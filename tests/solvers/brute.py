@@ -15,21 +15,30 @@ from planner.solvers.simulate import simulate
 
 
 def families(
-    lo: int, hi: int, depth: int = 0, max_depth: int | None = None, whole_ok: bool = True
+    lo: int,
+    hi: int,
+    depth: int = 0,
+    max_depth: int | None = None,
+    whole_ok: bool = True,
+    offload: bool = False,
 ) -> Iterator[list[Region]]:
-    """Every laminar family of intervals inside [lo, hi) (regions at ``depth`` and deeper)."""
+    """Every laminar family of intervals inside [lo, hi) (regions at ``depth`` and deeper);
+    with ``offload``, each top-level region with nothing nested in it may also be an offload
+    region."""
     if lo == hi:
         yield []
         return
-    yield from families(lo + 1, hi, depth, max_depth, True)
+    yield from families(lo + 1, hi, depth, max_depth, True, offload)
     if max_depth is not None and depth >= max_depth:
         return
     for j in range(lo + 1, hi + 1):
         if j == hi and not whole_ok:
             continue
-        for inner in families(lo, j, depth + 1, max_depth, False):
-            for rest in families(j, hi, depth, max_depth, True):
+        for rest in families(j, hi, depth, max_depth, True, offload):
+            for inner in families(lo, j, depth + 1, max_depth, False):
                 yield [Region(lo, j, depth), *inner, *rest]
+            if offload and depth == 0:
+                yield [Region(lo, j, depth, "offload"), *rest]
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,17 @@ class Scored:
         return t, Schedule(regions, "brute")
 
 
-def score_all(graph: CostGraph, max_depth: int | None = None) -> Scored:
+def score_all(graph: CostGraph, max_depth: int | None = None, offload: bool = False) -> Scored:
+    """Every family scored by recompute time, or with ``offload`` by the time the schedule adds
+    to the step (recompute, exposed transfers, region bookkeeping)."""
     forbidden = forbidden_cuts(graph)  # in-place writes rule these boundaries out
     out = []
-    for family in families(0, len(graph.nodes), 0, max_depth):
+    for family in families(0, len(graph.nodes), 0, max_depth, offload=offload):
         if any(r.start in forbidden or r.stop in forbidden for r in family):
             continue
         sim = simulate(graph, Schedule(tuple(family)))
-        out.append((sim.recompute_time_s, sim.peak_bytes, tuple(family)))
+        added_s = sim.step_time_s - graph.step_time_s if offload else sim.recompute_time_s
+        out.append((added_s, sim.peak_bytes, tuple(family)))
     return Scored(tuple(out))
 
 

@@ -149,3 +149,44 @@ def test_dp_plans_every_budget_above_the_least_it_states():
         assert simulate(graph, solve_dp(graph, budget)).peak_bytes <= budget
     with pytest.raises(InfeasibleBudgetError):
         solve_dp(graph, least - 1)
+
+
+def _matmul_chain(offload_bytes_per_s: float, overlap: float):
+    """Six 1 MiB activations, each node a second of compute (1 FLOP/s)."""
+    g = GraphBuilder()
+    prev = None
+    for i in range(6):
+        reads = (prev,) if prev else ()
+        g.add(f"n{i}", reads=reads, saves=reads, out_bytes=1 << 20, fwd_flops=1)
+        prev = f"n{i}"
+    return g.build(
+        outputs=(prev,),
+        flops_per_s=1.0,
+        bytes_per_s=1e18,
+        offload_bytes_per_s=offload_bytes_per_s,
+        offload_overlap=overlap,
+    )
+
+
+@pytest.mark.parametrize(
+    ("link_bytes_per_s", "overlap", "offloads"),
+    [(1e9, 0.5, True), (1e9, 0.0, True), (1e4, 0.5, False), (1e4, 0.0, False)],
+)
+def test_dp_offloads_when_the_transfer_is_cheaper_than_recomputing(
+    link_bytes_per_s, overlap, offloads
+):
+    """A fast host link (1 GB/s: 1 ms per MiB, against a second to recompute a node) makes
+    offload the cheaper way to fit the budget; a slow one (1e4 B/s: 105 s per MiB) does not,
+    and dp recomputes instead. Without the option dp never offloads."""
+    graph = _matmul_chain(link_bytes_per_s, overlap)
+    eager = simulate(graph, Schedule()).peak_bytes
+    budget = 0.6 * eager
+    got = solve_dp(graph, budget, offload=True)
+    kinds = {r.kind for r in got.regions}
+    sim = simulate(graph, got)
+    assert sim.peak_bytes <= budget
+    assert ("offload" in kinds) is offloads, got.regions
+    assert (sim.recompute_time_s == 0) is offloads
+    plain = simulate(graph, solve_dp(graph, budget))
+    assert plain.offload_bytes == 0
+    assert sim.step_time_s <= plain.step_time_s

@@ -12,6 +12,7 @@ schedule that fits under ``simulate`` with brute force's least recompute time.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -33,10 +34,13 @@ def _budgets(graph, scored, rng):
     return [least - 1, least, rng.randint(least, eager), eager]
 
 
-def _assert_dp_equals_brute_force(graph) -> None:
-    scored = score_all(graph)
+def _assert_dp_equals_brute_force(graph, offload: bool = False) -> None:
+    """Same least budget; at every budget up to the eager peak a schedule that fits and costs
+    brute force's least: recompute time, or with ``offload`` the time added to the step."""
+    scored = score_all(graph, offload=offload)
     eager = simulate(graph, Schedule()).peak_bytes
-    solved = solve_all(graph, eager, DPOptions(max_span=None, grid=max(1, eager), selective=False))
+    options = DPOptions(max_span=None, grid=max(1, eager), selective=False, offload=offload)
+    solved = solve_all(graph, eager, options)
     assert solved.unit_bytes == 1
     assert solved.least_bytes() == scored.least_bytes
     assert solved.schedule(scored.least_bytes - 1) is None
@@ -44,8 +48,9 @@ def _assert_dp_equals_brute_force(graph) -> None:
         schedule = solved.schedule(budget)
         sim = simulate(graph, schedule)
         assert sim.peak_bytes <= budget, (budget, schedule.regions)
+        got = sim.step_time_s - graph.step_time_s if offload else sim.recompute_time_s
         want = scored.best(budget)[0]
-        assert sim.recompute_time_s == pytest.approx(want, abs=1e-9), (budget, schedule.regions)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (budget, schedule.regions)
 
 
 @settings(max_examples=120, deadline=None, derandomize=True)
@@ -92,3 +97,26 @@ def test_solve_dp_equals_brute_force_with_rule5(seed, n, kind):
         sim = simulate(graph, got)
         assert sim.peak_bytes <= budget
         assert sim.recompute_time_s <= want[0] + 1e-9
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 4),
+    kind=st.integers(0, 2),
+    early_stop=st.booleans(),
+    link=st.sampled_from((1e8, 1e9, 1e10)),
+    overlap=st.sampled_from((0.0, 0.5, 1.0)),
+)
+def test_dp_with_offload_equals_brute_force_under_simulate(
+    seed, n, kind, early_stop, link, overlap
+):
+    """Offload in the space (top-level offload regions, Rule 7): dp's least budget is brute
+    force's, and at every budget its schedule adds brute force's least time to the step
+    (recompute plus exposed transfers)."""
+    rng = random.Random(seed)
+    graph = GENERATORS[kind](rng, n)
+    if early_stop:
+        graph = with_saves(rng, graph)
+    graph = replace(graph, offload_bytes_per_s=link, offload_overlap=overlap)
+    _assert_dp_equals_brute_force(graph, offload=True)

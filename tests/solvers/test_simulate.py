@@ -206,6 +206,20 @@ def test_offload_region_moves_saves_to_host():
     assert sim.offload_time_s == pytest.approx(2 * 10 / 5.0)
 
 
+def test_offload_transfers_hide_behind_the_regions_compute_up_to_the_overlap():
+    """Rule 7: each way, up to ``offload_overlap`` of the region's compute in that direction
+    hides the transfer; only the rest is added to the step."""
+    graph = chain(offload_bytes_per_s=5.0, flops_per_s=1.0)  # node i's forward: FLOPS[i] s
+    fwd_s = FLOPS[0] + FLOPS[1]  # the region's forward; its backward is free (bwd_flops 0)
+    each_way_s = 10 / 5.0
+    for overlap in (0.0, 0.01, 0.5, 1.0):
+        sim = run([Region(0, 2, kind="offload")], replace(graph, offload_overlap=overlap))
+        exposed_s = max(0.0, each_way_s - overlap * fwd_s) + each_way_s
+        assert sim.offload_time_s == pytest.approx(exposed_s)
+        assert sim.step_time_s == pytest.approx(graph.step_time_s + exposed_s)
+        assert sim.peak_bytes == 50  # overlap changes time, never memory
+
+
 def test_observed_gradient_buffers_replace_per_storage_gradients():
     nodes = chain().nodes
     nodes = (nodes[0], Node(name="n1", inputs=(0,), fwd_flops=2, param_grad_bytes=5), nodes[2])
