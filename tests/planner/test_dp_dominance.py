@@ -73,4 +73,4 @@ def test_no_solver_beats_dp_on_both_peak_and_step_time(example):
                 f"{dp.peak_bytes} and step time {sim.step_time_s:.4g} s < dp's "
                 f"{dp.step_time_s:.4g} s"
             )
-    assert compared >= 5  # the sweep compared plans, not only refusals
+    assert compared >= 4  # the sweep compared plans, not only refusals

@@ -273,7 +273,9 @@ def test_fsdp2_per_rank_plans(tmp_path, world):
             measured = min(results[name]["peaks"])
             assert measured <= p.budget_bytes, f"{name} rank {rank}"
             fsdp_measured = measured - unsharded["measured"]
-            assert abs(fsdp_predicted - fsdp_measured) <= 0.01 * measured, f"{name} rank {rank}"
+            # 2%: gloo's worker thread frees a collective's buffer a moment early or late, so
+            # the same step measures up to ~1.1% of the peak apart between runs (4 processes).
+            assert abs(fsdp_predicted - fsdp_measured) <= 0.02 * measured, f"{name} rank {rank}"
             if name in WHOLE_WITHIN_5:
                 error = abs(p.predicted_peak_bytes - measured) / measured
                 assert error <= 0.05, f"{name} rank {rank}: {p.predicted_peak_bytes}, {measured}"

@@ -143,7 +143,8 @@ class Applied:
 
 def plan_and_apply(name: str, model: torch.nn.Module) -> Applied:
     eager_bytes = plain_peak_at(model, SEQ)
-    p = planner.plan(model, tokens(SEQ), eager_bytes / 2 / 1e9, form="inplace")
+    # Roofline prices (device="cpu"): the same plan on every run, whatever the machine's load.
+    p = planner.plan(model, tokens(SEQ), eager_bytes / 2 / 1e9, form="inplace", device="cpu")
     reference = copy.deepcopy(model)
     param_ids = tuple(id(t) for t in model.parameters())
     assert p.apply(model) is model
@@ -457,7 +458,8 @@ def test_lora_adapter_only_gradients_and_peft_save_load(tmp_path):
     model = lora_model()
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
     eager_bytes = plain_peak_at(model, SEQ)
-    p = planner.plan(model, tokens(SEQ), eager_bytes / 2 / 1e9, form="inplace")
+    # Roofline prices (device="cpu"): the same plan on every run, whatever the machine's load.
+    p = planner.plan(model, tokens(SEQ), eager_bytes / 2 / 1e9, form="inplace", device="cpu")
     ref = copy.deepcopy(model)
     assert p.apply(model) is model and wrapped_paths(model)
     assert plain_peak_at(model, SEQ) <= p.budget_bytes
