@@ -66,19 +66,10 @@ def llama() -> str:
 
 
 def mamba(seq_len: int = 128) -> str:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import MambaConfig, MambaForCausalLM
-
     import planner
+    from benchmarks.plan_speed import mamba_example
 
-    torch.manual_seed(0)
-    config = MambaConfig(
-        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, use_mambapy=False
-    )
-    model = MambaForCausalLM(config)
-    ids = torch.randint(0, 64, (1, seq_len))
-    example = {"input_ids": ids, "labels": ids}
+    model, example = mamba_example(seq_len)
     eager = planner.measure(model, example).peak_bytes
     budget_gb = 0.7 * eager / 1e9
     start, cpu = time.perf_counter(), time.process_time()

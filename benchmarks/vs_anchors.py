@@ -225,6 +225,15 @@ def _row(name: str, m: Measurement, flops: int, setup_s: float, note: str = "") 
     )
 
 
+def _planned_row(row: Row, plan: Any) -> Row:
+    """``row`` with the plan's predicted peak and step time beside the measured ones."""
+    return replace(
+        row,
+        predicted_bytes=plan.predicted_peak_bytes,
+        predicted_step_time_s=plan.predicted_step_time_s,
+    )
+
+
 def _relative(rows: list[Row], eager: Row) -> list[Row]:
     return [
         replace(
@@ -323,14 +332,7 @@ def planner_rows(
             plan_s += time.perf_counter() - start_s
         m = measure(module, x, warmup=0, repeats=repeats)
         note = f"solver {plan.solver}, predicted {plan.predicted_peak_bytes / MiB:.1f} MiB"
-        row = _row(name, m, flops, plan_s, note=note)
-        rows.append(
-            replace(
-                row,
-                predicted_bytes=plan.predicted_peak_bytes,
-                predicted_step_time_s=plan.predicted_step_time_s,
-            )
-        )
+        rows.append(_planned_row(_row(name, m, flops, plan_s, note=note), plan))
         if keep is not None:
             keep[name] = module
         log(f"{name}: {rows[-1].peak_bytes / MiB:.1f} MiB")
@@ -394,14 +396,7 @@ def inplace_rows(
         )
         if diverged:
             note += f"; {len(diverged)} region(s) ran other ops than planned (full recompute)"
-        row = _row(name, m, flops, plan_s, note=note)
-        rows.append(
-            replace(
-                row,
-                predicted_bytes=plan.predicted_peak_bytes,
-                predicted_step_time_s=plan.predicted_step_time_s,
-            )
-        )
+        rows.append(_planned_row(_row(name, m, flops, plan_s, note=note), plan))
         if keep is not None:
             keep[name] = fresh
         log(
