@@ -66,24 +66,10 @@ def llama() -> str:
 
 
 def mamba(seq_len: int = 128) -> str:
-    import planner
-    from benchmarks.plan_speed import mamba_example
+    """The tiny HF Mamba planned with auto, phase by phase (``benchmarks.plan_speed``)."""
+    from benchmarks.plan_speed import plan_speed
 
-    model, example = mamba_example(seq_len)
-    eager = planner.measure(model, example).peak_bytes
-    budget_gb = 0.7 * eager / 1e9
-    start, cpu = time.perf_counter(), time.process_time()
-    p = planner.plan(model, example, mem_budget_gb=budget_gb, solver="auto")
-    plan_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
-    measured = planner.measure(p.module, example).peak_bytes
-    return (
-        f"Mamba (hidden 32, 2 layers, seq {seq_len}): {len(p.graph.nodes)} nodes, plan(auto) "
-        f"in {plan_s:.1f} s wall, {cpu_s:.1f} s CPU ({p.solver}, load average "
-        f"{os.getloadavg()[0]:.1f}), budget {budget_gb * 1e9 / 2**20:.2f} MiB (70% of the "
-        f"measured eager {eager / 2**20:.2f} MiB), predicted {p.predicted_peak_bytes / 2**20:.2f}"
-        f" MiB, measured {measured / 2**20:.2f} MiB: "
-        f"{'within' if measured <= budget_gb * 1e9 else 'OVER'} budget; note: {p.schedule.note}"
-    )
+    return plan_speed(seq_len)
 
 
 def main() -> None:
