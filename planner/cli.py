@@ -246,7 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         budget_bytes = (
             round(value * priced.eager_peak_bytes) if kind == "fraction" else round(value)
         )
-        p = priced.plan(budget_bytes, args.solver, on_step=on_step)
+        p = priced.plan(budget_bytes, args.solver, objective=args.objective, on_step=on_step)
         bar.update()
     out = _console()
     out.print(p.summary(verbose=args.verbose), highlight=False, markup=False)
@@ -502,6 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="which solver chooses the regions (default auto); list them: python -m planner "
         "solvers",
+    )
+    plan.add_argument(
+        "--objective",
+        choices=("time", "flops"),
+        default="time",
+        help="what to minimise within the budget: predicted step time (default) or recomputed "
+        "FLOPs (the same plan on any machine)",
     )
     plan.add_argument("--out", metavar="PLAN.json", help="save the plan here (for apply_plan)")
     plan.add_argument("--measure", action="store_true", help="also run and measure a real step")

@@ -22,9 +22,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
 from planner.passes.step import LossFn
 from planner.plan_file import FORMAT, VERSION, _checksum, read_plan_body
-from planner.solvers.costgraph import CostGraph, Schedule
+from planner.solvers.costgraph import CostGraph, Objective, Schedule
 from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
-from planner.solvers.registry import get_solver
+from planner.solvers.registry import get_solver, solve
 from planner.solvers.simulate import Simulation, simulate
 
 FORM = "inplace"
@@ -89,6 +90,7 @@ class InplacePlan:
     graph: CostGraph | None = field(default=None, repr=False)
     schedule: Schedule | None = field(default=None, repr=False)
     simulation: Simulation | None = field(default=None, repr=False)
+    solve_time_s: float = field(default=0.0, repr=False)
 
     form = FORM
 
@@ -115,11 +117,12 @@ class InplacePlan:
         check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")
         return apply_regions(model, self.module_regions)
 
-    def summary(self) -> str:
-        """A table of the regions and the predicted memory and recompute cost."""
+    def summary(self, verbose: bool = False) -> str:
+        """A table of the regions and the predicted memory and recompute cost (``verbose``:
+        what the solver reported too, as ``Plan.summary``)."""
         from planner.report import plan_summary
 
-        return plan_summary(self)  # type: ignore[arg-type]
+        return plan_summary(self, verbose=verbose)  # type: ignore[arg-type]
 
     def save(self, path: str | Path) -> None:
         """Write a JSON that ``planner.apply_plan(model, path)`` applies in place."""
@@ -178,14 +181,17 @@ def plan_inplace(
     *,
     device: DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
+    objective: Objective = "time",
     **solver_opts: Any,
 ) -> InplacePlan:
-    """Price ``model``'s eager step (:func:`price_inplace`), solve over its module calls, and
-    return the plan."""
+    """Price ``model``'s eager step (:func:`price_inplace`), solve over its module calls for
+    the least ``objective`` (see ``graph_for_objective``), and return the plan."""
     check_span_solver(solver)
     eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
-    schedule = get_solver(solver)(eg.graph, budget_bytes, **solver_opts)
-    return build_inplace_plan(model, eg, schedule, budget_bytes)
+    start_s = time.perf_counter()
+    schedule = solve(eg.graph, budget_bytes, solver, objective, **solver_opts)
+    solve_time_s = time.perf_counter() - start_s
+    return replace(build_inplace_plan(model, eg, schedule, budget_bytes), solve_time_s=solve_time_s)
 
 
 def build_inplace_plan(

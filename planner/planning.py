@@ -36,14 +36,20 @@ from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewr
 from planner.passes.step import LossFn
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
-from planner.solvers.costgraph import CostGraph, Region, Schedule
+from planner.solvers.costgraph import (
+    OBJECTIVES,
+    CostGraph,
+    Objective,
+    Region,
+    Schedule,
+)
 from planner.solvers.errors import (
     InvalidBudgetError,
     PlanFileError,
     PlannerError,
     UnsupportedModelError,
 )
-from planner.solvers.registry import get_solver
+from planner.solvers.registry import get_solver, solve
 from planner.solvers.simulate import Simulation, simulate
 
 GB = 10**9  # mem_budget_gb counts decimal gigabytes, as its name says
@@ -137,13 +143,21 @@ class PricedModel:
         """Predicted peak of one step without checkpointing."""
         return simulate(self.graph, Schedule()).peak_bytes
 
-    def solve(self, budget_bytes: int, solver: str = "auto", **solver_opts: Any) -> Schedule:
-        """Step 3: the schedule ``solver`` chooses for ``budget_bytes``.
+    def solve(
+        self,
+        budget_bytes: int,
+        solver: str = "auto",
+        *,
+        objective: Objective = "time",
+        **solver_opts: Any,
+    ) -> Schedule:
+        """Step 3: the schedule ``solver`` chooses for ``budget_bytes``, minimising
+        ``objective`` (``"time"`` or ``"flops"``, see ``graph_for_objective``).
 
         ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
         error to raise).
         """
-        return get_solver(solver)(self.graph, budget_bytes, **solver_opts)
+        return solve(self.graph, budget_bytes, solver, objective, **solver_opts)
 
     def build(
         self,
@@ -163,13 +177,14 @@ class PricedModel:
         budget_bytes: int,
         solver: str = "auto",
         *,
+        objective: Objective = "time",
         on_step: OnStep = _no_progress,
         **solver_opts: Any,
     ) -> Plan:
         """Steps 3 and 4: solve for ``budget_bytes`` with ``solver`` and build the plan."""
         on_step("solve")
         t0 = time.perf_counter()
-        schedule = self.solve(budget_bytes, solver, **solver_opts)
+        schedule = self.solve(budget_bytes, solver, objective=objective, **solver_opts)
         solve_time_s = time.perf_counter() - t0
         on_step("build")
         return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
@@ -231,6 +246,7 @@ def plan(
     form: str = "graph",
     device: str | DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
+    objective: Objective = "time",
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -247,10 +263,15 @@ def plan(
     ``fsdp``: an ``FSDPConfig`` (``form="inplace"`` only): plan one rank of FSDP2 sharding, its
     example input that rank's micro-batch and the budget that rank's peak (``planner/fsdp.py``);
     shard with ``planner.fsdp.shard(model, config)`` after ``p.apply(model)``.
+    ``objective``: what the solver minimises within the budget, the predicted step time
+    (``"time"``) or the recomputed FLOPs (``"flops"``: deterministic, the same plan on any
+    machine; ties go to the faster plan). Either way the plan reports its predicted time.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     get_solver(solver)  # fail on an unknown solver before the slow part
     if device is not None:
         device = device_profile(device)  # fail on an unknown profile before the slow part
@@ -271,10 +292,11 @@ def plan(
             loss_fn,
             device=device,
             fsdp=fsdp,
+            objective=objective,
             **solver_opts,
         )
     priced = price(model, example_input, loss_fn=loss_fn, device=device)
-    return priced.plan(budget_bytes, solver, **solver_opts)
+    return priced.plan(budget_bytes, solver, objective=objective, **solver_opts)
 
 
 def apply_plan(

@@ -11,11 +11,19 @@ mask it saves), and one storage may be saved for backward by several nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
 
 RegionKind = Literal["recompute", "selective", "offload"]
+# What a solver minimises beside fitting the budget: the step's predicted time, or its
+# recomputed FLOPs (graph_for_objective).
+Objective = Literal["time", "flops"]
+OBJECTIVES: tuple[Objective, ...] = ("time", "flops")
+# Under the "flops" objective, the weight of a node's predicted time beside its FLOPs' time at
+# the graph's FLOP rate: small enough that FLOPs decide, large enough to break their ties (a
+# kept softmax beats a kept copy when neither has FLOPs).
+FLOPS_OBJECTIVE_TIME_WEIGHT = 1e-3
 
 
 @dataclass(frozen=True)
@@ -242,3 +250,31 @@ class Schedule:
     # Optimality gap reported by exact solvers (0.0 proven optimal; None unknown).
     gap: float | None = None
     note: str = ""
+
+
+def graph_for_objective(graph: CostGraph, objective: Objective) -> CostGraph:
+    """The graph a solver sees so that minimising its recomputation time minimises
+    ``objective``: ``graph`` itself for ``"time"``; for ``"flops"``, every node's forward is
+    re-timed as its FLOPs at ``graph.flops_per_s`` (plus its predicted recomputation time
+    weighted by FLOPS_OBJECTIVE_TIME_WEIGHT, as is checkpointing's own overhead). Memory is
+    unchanged, so plans fit the same budgets; predict a plan's time on ``graph``, not on this."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective == "time":
+        return graph
+    w = FLOPS_OBJECTIVE_TIME_WEIGHT
+    nodes = tuple(
+        replace(
+            n,
+            fwd_time_s=n.fwd_flops / graph.flops_per_s + w * graph.node_recompute_time_s(i),
+        )
+        for i, n in enumerate(graph.nodes)
+    )
+    return replace(
+        graph,
+        nodes=nodes,
+        recompute_scale=1.0,
+        region_overhead_s=w * graph.region_overhead_s,
+        saving_node_overhead_s=w * graph.saving_node_overhead_s,
+        selective_node_overhead_s=w * graph.selective_node_overhead_s,
+    )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from planner.solvers.costgraph import CostGraph, Schedule
+from planner.solvers.costgraph import CostGraph, Objective, Schedule, graph_for_objective
 
 # Every solver returns within this many seconds unless told otherwise (the whole of plan()'s
 # solve step: ``auto`` shares it among the solvers it runs).
@@ -139,3 +139,19 @@ def get_solver(name: str) -> SolverFn:
     except KeyError:
         known = ", ".join(sorted(SOLVERS))
         raise ValueError(f"unknown solver {name!r}; known solvers: {known}") from None
+
+
+def solve(
+    graph: CostGraph,
+    budget_bytes: float,
+    solver: str = "auto",
+    objective: Objective = "time",
+    **opts: Any,
+) -> Schedule:
+    """Solver ``solver``'s schedule for ``graph`` within ``budget_bytes``, minimising
+    ``objective`` (``graph_for_objective``); a "flops" schedule's note says so."""
+    schedule = get_solver(solver)(graph_for_objective(graph, objective), budget_bytes, **opts)
+    if objective == "time":
+        return schedule
+    said = "minimised recomputed FLOPs (objective='flops'), ties to the faster"
+    return dataclasses.replace(schedule, note=f"{schedule.note}; {said}" if schedule.note else said)

@@ -154,6 +154,22 @@ def test_a_model_factory_in_a_file_with_shapes_from_flags(tmp_path, capsys):
     assert json.loads(out.read_text())["budget_bytes"] == 10**9
 
 
+def test_plan_minimises_flops_when_asked(tmp_path, capsys):
+    source = tmp_path / "tiny.py"
+    source.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64),\n"
+        "                               torch.nn.GELU()) for _ in range(4)])\n"
+    )
+    argv = ["plan", f"{source}:build", "--input-shape", "256,64", "--budget", "80%", "-q", "-v"]
+    assert main([*argv, "--objective", "flops"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps the solver's note
+    assert "2 checkpoint regions" in out and "minimised recomputed FLOPs" in out
+    assert main(argv) == 0
+    assert "minimised recomputed FLOPs" not in " ".join(capsys.readouterr().out.split())
+
+
 def test_a_model_without_example_input_needs_a_shape(capsys):
     with pytest.raises(SystemExit) as info:
         main(["plan", "benchmarks.models:MLPNet", "--budget", "1GB", "--solver", "none", "-q"])

@@ -79,6 +79,29 @@ def test_unknown_solver_lists_the_known_ones():
         planner.plan(model, example_input, mem_budget_gb=1.0, solver="magic")
 
 
+def test_unknown_objective_is_refused_before_planning():
+    model, example_input = gpt_ref_small_example()
+    with pytest.raises(ValueError, match="objective must be one of"):
+        planner.plan(model, example_input, mem_budget_gb=1.0, objective="memory")
+
+
+@pytest.mark.parametrize("form", ["graph", "inplace"])
+def test_flops_objective_recomputes_no_more_flops_and_says_so(form):
+    model, example_input = gpt_ref_small_example()
+    eager = planner.plan(model, example_input, 1.0, form=form, device="cpu").baseline_peak_bytes
+    plans = {
+        objective: planner.plan(
+            model, example_input, 0.8 * eager / 1e9, form=form, device="cpu", objective=objective
+        )
+        for objective in ("time", "flops")
+    }
+    by_time, by_flops = plans["time"], plans["flops"]
+    assert by_flops.predicted_peak_bytes <= 0.8 * eager
+    assert by_flops.predicted_recompute_flops <= by_time.predicted_recompute_flops
+    assert by_time.predicted_step_time_s <= by_flops.predicted_step_time_s
+    assert "objective='flops'" in by_flops.summary(verbose=True)
+
+
 def test_summary_names_regions_and_units():
     model, example_input = gpt_ref_small_example()
     p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform")
