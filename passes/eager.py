@@ -370,7 +370,7 @@ def _build(tracker: _OpTracker, seq_lens: set[int], rates: DeviceProfile) -> Cos
                 fwd_bytes_accessed=tracker.moved_bytes.get(("fwd", i), 0),
                 bwd_bytes_accessed=tracker.moved_bytes.get(("bwd", i), 0),
                 fwd_temp_bytes=max(0, tracker.fwd[i].peak_above_start_bytes - produced_bytes[i]),
-                bwd_temp_bytes=max(0, bseg.peak_above_start_bytes - grad_alloc[i] - param_grad[i]),
+                bwd_temp_bytes=bseg.peak_above_start_bytes - grad_alloc[i] - param_grad[i],
                 param_grad_bytes=param_grad[i],
                 tags=frozenset(tags),
                 state_bytes=sum(tracker.state_written.get(i, {}).values()),

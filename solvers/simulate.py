@@ -30,10 +30,10 @@ Rule 5. Early stop (checkpoint.py's Rule 5). A recomputation stops once it has p
         ``Node.saves_for_backward`` (hand-built ones) are recomputed to the region's end.
 Rule 6. Selective regions keep every output of their ``saved_nodes`` (SAC caches the whole
         output of a kept op). The recomputation does not run a kept node: it takes the cached
-        output back as it reaches it, and the output then lives as a recomputed one would (to its
-        last reader in the recomputation, or for backward if a node in the region saves it). A
-        cache entry the recomputation never reaches (Rule 5 stops it first) lives until the
-        region's backward ends.
+        output back as it reaches it (torch pops the cache entry), and the output then lives as
+        a recomputed one would: to its last reader in the recomputation, and to the backward of
+        each node in the region that saves it. A cache entry the recomputation never reaches
+        (Rule 5 stops it first) lives until the region's backward ends.
 Rule 7. Offload regions keep what they save in host memory and bring each storage back when the
         backward that needs it runs. Each way, the transfer hides behind up to
         ``CostGraph.offload_overlap`` of the region's own compute in that direction (its
@@ -270,9 +270,8 @@ class _Replay:
                 for t_i in self.used[i]:
                     self._release((ctx, t_i))
                 for _, t_i in self.releases.get((self.parent[ctx], ("cached", ctx, i)), ()):
-                    t = self.g.tensors[t_i]
-                    readers = sum(1 for u in set(t.users) if i < u <= last)
-                    self._hold((ctx, t_i), t.size_bytes, readers)
+                    self._hold_tensor(ctx, children, here, t_i, start, stop, last + 1)
+                    self._release((ctx, t_i))  # the kept node's own hold: it does not run
                 self._release_at(self.parent[ctx], ("cached", ctx, i))
                 continue
             for t_i in self.produced[i]:
@@ -354,7 +353,7 @@ class _Replay:
             elif owner is not here:
                 input_of.add(owner)
             elif cached_here:
-                kept_for.add(owner)  # its backward reads the cached output
+                pass  # handed back to the recomputation, whose saver keeps it (Rule 6)
             elif owner.kind == "offload":
                 self.offload_bytes += t.size_bytes
                 self.offloaded[owner] = self.offloaded.get(owner, 0) + t.size_bytes

@@ -44,10 +44,19 @@ def test_inplace_verdicts_hold_each_row_to_the_issue_targets():
     at_sac = replace(row("in place at SAC", 400, 0.4), step_time_s=1.1)
     at_compile = row("in place at compile", 370, 0.9)
     at_half = replace(row("in place at 50%", 370, 5.0), predicted_bytes=int(371 * MIB))
-    lines = inplace_verdicts(anchors, [at_sac, at_compile, at_half], "inductor")
-    assert lines[0].startswith(f"- at {SAC}'s peak:") and lines[0].endswith(": met")
-    assert lines[1].endswith("**missed** (FLOPs)")  # +0.9% > compile's +0.8%
-    assert "+0.27% off measured" in lines[2] and lines[2].endswith(": met")
+    at_eager = replace(row("in place at eager", 750, 0.0, step_s=1.009), regions=0)
+    # rows in inplace_targets' order: SAC (time, flops), compile (time, flops), 50%, eager
+    ours = [at_sac, at_sac, at_compile, at_compile, at_half, at_eager]
+    lines = inplace_verdicts(anchors, ours, "inductor")
+    assert lines[0].startswith(f"- at {SAC}'s peak (least time):") and lines[0].endswith(": met")
+    assert lines[1].startswith(f"- at {SAC}'s peak (least flops):")
+    assert lines[2].endswith("**missed** (FLOPs)")  # +0.9% > compile's +0.8%
+    assert "+0.27% off measured" in lines[4] and lines[4].endswith(": met")
+    assert "0 regions" in lines[5] and "+0.9%; 1% allowed" in lines[5] and lines[5].endswith("met")
+    slower = replace(at_eager, step_time_s=1.02, regions=1)
+    assert inplace_verdicts(anchors, [*ours[:5], slower], "inductor")[5].endswith(
+        "**missed** (no regions, overhead)"
+    )
     # SAC's step time is a target too, and so is its peak
     slow = replace(at_sac, step_time_s=1.3, peak_bytes=int(405 * MIB))
     assert inplace_verdicts(anchors, [slow], "inductor")[0].endswith("**missed** (peak, time)")
