@@ -37,6 +37,9 @@ class Node:
     they live until the end of the step. ``state_bytes`` are model buffers the node writes in
     forward (BatchNorm running statistics): a region around it keeps a copy of their pre-step
     values for its recomputation, and makes one more while recomputing (passes/rewrite.py).
+    ``bwd_temp_bytes`` is the node's backward peak above what it allocates to keep (gradients,
+    parameter gradients); negative when the backward frees something before its last such
+    allocation (a linear's saved input, before its bias gradient is summed).
     ``saves_for_backward``: its forward saves something for backward (an activation, a
     parameter or an input); when no node says so, ``Tensor.saved_by`` stands in.
     """
