@@ -43,6 +43,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from planner.devices import DeviceProfile, profile_of
 from planner.passes.estimate import (
+    region_state_bytes,
     SKIP_GAP_NODES,
     BackwardSegments,
     _Segment,
@@ -334,6 +335,7 @@ def eager_graph(
     seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
     rates = rates or profile_of(device)
     graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
+    graph = replace(graph, region_state_bytes=region_state_bytes(device))
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time)
     return _candidates(model, graph, calls)

@@ -469,7 +469,16 @@ def estimate(
         flops_per_s, bytes_per_s = rates
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
     graph = _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend)
+    graph = dataclasses.replace(graph, region_state_bytes=region_state_bytes(device))
     return with_measured_times(graph, tracker, device, rates, step_time) if time_ops else graph
+
+
+def region_state_bytes(device: torch.device) -> int:
+    """Device bytes each checkpoint call stashes to restore on recomputation (simulate's Rule
+    12): ``preserve_rng_state`` keeps ``torch.get_rng_state()``, a CPU tensor, which is device
+    memory only on the CPU; CUDA's generator states are CPU tensors too, so 0 there (and on
+    meta, which plans for an accelerator)."""
+    return torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0
 
 
 def with_measured_times(

@@ -156,6 +156,10 @@ class CostGraph:
     # Buffers held outside autograd at fixed points of the step (FSDP2's, per rank); the
     # budget's baseline is what is allocated before the step, so these count.
     buffer_changes: tuple[BufferChange, ...] = ()
+    # What each checkpoint region's call stashes to restore on recomputation, in device bytes
+    # (torch.utils.checkpoint's preserve_rng_state: the CPU generator's state, 5056 bytes on
+    # the CPU; on CUDA the device RNG states are CPU tensors, so 0). See simulate's Rule 12.
+    region_state_bytes: int = 0
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def node_time_s(self, i: int, backward: bool = False) -> float:

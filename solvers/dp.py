@@ -11,11 +11,12 @@ brute force (every laminar family, scored by ``simulate``) at every budget on ra
 DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
 (``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
 recomputed to their end with their cache held for the whole region (``simulate.region_peak``),
-and two rules only estimated graphs use, which dp does not model, so its prices may differ from
-simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1) and buffer copies (Rule
-9). :func:`solve_dp` replays its answer through ``simulate`` and never returns a plan above the
+and three rules only estimated graphs use, which dp does not model exactly, so its prices may
+differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
+copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region, nested ones
+approximately). :func:`solve_dp` replays its answer through ``simulate`` and never returns a plan above the
 budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of the uncoarsened
-graph on a 1-byte grid and the graph uses neither of those two rules; the note names the space
+graph on a 1-byte grid and the graph uses none of those three rules; the note names the space
 searched.
 
 With ``DPOptions.offload`` (off by default) the space also holds top-level offload regions with
@@ -169,6 +170,10 @@ class _Prices:
     bwd_prefix_s: tuple[float, ...]
     offload_bytes_per_s: float
     offload_overlap: float
+    # Units each checkpoint call stashes (simulate's Rule 12), priced as held from the region's
+    # start to its backward's end, twice while it is recomputed; nested calls' stashes in the
+    # first forward are not carried to the root (simulate holds them longer): not exact there.
+    stash: int = 0
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -252,6 +257,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         bwd_prefix_s=tuple(bwd_prefix),
         offload_bytes_per_s=graph.offload_bytes_per_s,
         offload_overlap=graph.offload_overlap,
+        stash=units(graph.region_state_bytes),
     )
 
 
@@ -438,13 +444,13 @@ class _Programme:
                 if t not in cached_set:
                     end = self.last_need(t, b, root)
                     ends[end] = ends.get(end, 0) + p.size[t]
-            fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i])
+            fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
             alive -= ends.pop(i, 0)
         # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
         inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
         held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-        held += sum(p.size[t] for t in cached)
-        kept_bytes, nxt = 0, []
+        held += sum(p.size[t] for t in cached) + 2 * p.stash
+        kept_bytes, nxt = p.stash, []
         for t, kept in crossing:
             if self.last_need(t, b, root) < j:
                 kept_bytes += p.size[t]
@@ -667,7 +673,7 @@ class _Programme:
             for j in ends:
                 if j == b and not whole_ok:
                     break
-                fwd = cross_bytes + peaks[j - 1 - c]
+                fwd = cross_bytes + peaks[j - 1 - c] + p.stash
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
                 for i in range(last, j):
@@ -677,6 +683,7 @@ class _Programme:
                 held, inner_crossing, args = self.child_args(c, j, crossing, root)
                 inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
+                inner_shift += 2 * p.stash
                 if stopping and last_save < j:
                     # See simulate's Rule 5: the child is this recomputation's last save (its
                     # arguments), so the recomputation stops before it; the nodes after it run
@@ -700,7 +707,7 @@ class _Programme:
                 inner = self.value(c, j, inner_crossing, False, False, depth + 1)
                 if inner[-1] == INF:
                     continue
-                kept_bytes, nxt = 0, [(t, False) for t in surviving]
+                kept_bytes, nxt = p.stash, [(t, False) for t in surviving]
                 for t, kept in crossing:
                     if kept == ARG:
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
@@ -966,6 +973,7 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
     # Optimal for simulate only where its prices are simulate's (see the module docstring).
     every = every and not any(nd.state_bytes for nd in graph.nodes)
     every = every and not any(t.freed_after > t.producer for t in graph.tensors)
+    every = every and not graph.region_state_bytes
     for with_selective in (True, False) if options.selective else (False,):
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
