@@ -43,12 +43,12 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from planner.devices import DeviceProfile, profile_of
 from planner.passes.estimate import (
-    region_state_bytes,
     SKIP_GAP_NODES,
     BackwardSegments,
     _Segment,
     _to_fake,
     _Tracker,
+    device_fields,
     node_tags,
     storage_records,
     with_measured_times,
@@ -335,7 +335,7 @@ def eager_graph(
     seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
     rates = rates or profile_of(device)
     graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
-    graph = replace(graph, region_state_bytes=region_state_bytes(device))
+    graph = replace(graph, **device_fields(device, rates))
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time)
     return _candidates(model, graph, calls)

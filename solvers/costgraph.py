@@ -138,6 +138,9 @@ class CostGraph:
     # copy stream beside the compute stream; 0: transfers are fully exposed). See simulate's
     # Rule 7.
     offload_overlap: float = 0.0
+    # Whether offloading frees device memory (a GPU's host link). On a CPU host memory is the
+    # device's: solvers then never offload (simulate's Rule 7 would credit bytes still there).
+    host_link: bool = False
     grad_buffers: tuple[GradBuffer, ...] | None = None
     # What a checkpoint region adds to a step's time beyond recomputing its nodes
     # (region_overhead_time_s; measured on the device by passes/op_timing.py, 0 for roofline

@@ -14,17 +14,17 @@ recomputed to their end with their cache held for the whole region (``simulate.r
 and three rules only estimated graphs use, which dp does not model exactly, so its prices may
 differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
 copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region, nested ones
-approximately). :func:`solve_dp` replays its answer through ``simulate`` and never returns a plan above the
-budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of the uncoarsened
-graph on a 1-byte grid and the graph uses none of those three rules; the note names the space
-searched.
+approximately). :func:`solve_dp` replays its answer through ``simulate`` and never returns a
+plan above the budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of
+the uncoarsened graph on a 1-byte grid and the graph uses none of those three rules; the note
+names the space searched.
 
-With ``DPOptions.offload`` (off by default) the space also holds top-level offload regions with
-nothing nested in them (simulate's Rule 7: saves sent to host, transfers partly hidden behind the
-region's compute), priced as the time they add to the step; exact against brute force over the
-same space too. It is off by default because on a CPU the host is the device (an offload frees
-nothing there), and the in-place form does not run offload regions: dp never offers them on a
-graph with region spans.
+With ``DPOptions.offload`` (by default: when ``CostGraph.host_link``, a GPU's) the space also
+holds top-level offload regions with nothing nested in them (simulate's Rule 7: saves sent to
+host, transfers partly hidden behind the region's compute), priced as the time they add to the
+step; exact against brute force over the same space too. Never by default on a CPU, where the
+host is the device (an offload frees nothing there). On a module-granular graph they are its
+spans (the in-place form runs them with ``planner/offload.py``).
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -126,8 +126,9 @@ class DPOptions(SolverOptions):
     selective: bool = True
     coarse_span: int = DEFAULT_COARSE_SPAN
     max_bounds: int | None = DEFAULT_MAX_BOUNDS
-    # Also offer top-level offload regions (simulate's Rule 7), on graphs without region spans.
-    offload: bool = False
+    # Also offer top-level offload regions (simulate's Rule 7). None: when the graph's device
+    # has a host link (``CostGraph.host_link``: offloading frees device memory; never on a CPU).
+    offload: bool | None = None
 
 
 class OutOfTime(Exception):
@@ -306,8 +307,8 @@ class _Programme:
         offload: bool = False,
     ) -> None:
         self.p = p
-        # Top-level offload regions; not on module-granular graphs (the in-place form has none).
-        self.offload = offload and spans is None
+        # Top-level offload regions with nothing nested in them.
+        self.offload = offload
         self.deadline = deadline
         # Region boundaries only after nodes that allocate (a cut after a view is the same cut
         # as the one before it, and skipping it leaves fewer states), never where an in-place
@@ -912,7 +913,7 @@ def solve_all(
         options.selective,
         deadline,
         graph.region_spans,
-        options.offload,
+        graph.host_link if options.offload is None else options.offload,
     )
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
