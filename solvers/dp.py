@@ -986,7 +986,14 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
         exact = every and solved.unit_bytes == 1
         return schedule.regions, note, 0.0 if exact else None
     opts = replace(options, selective=False)
-    least, schedule = least_memory_schedule(graph, opts, deadline)
+    found = least_memory_schedule(graph, opts, deadline)
+    if found is None:  # bytes rounded up to the grid add up past the eager peak itself
+        detail = (
+            f"(solver 'dp': on its grid of {options.grid} steps nothing fits below the eager "
+            f"peak; a finer DPOptions.grid may)"
+        )
+        raise InfeasibleBudgetError(budget_bytes, eager, detail)
+    least, schedule = found
     if least > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
     exact = every and eager <= options.grid and least == budget_bytes
