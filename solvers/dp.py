@@ -1038,7 +1038,10 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     # Out of time: greedy (cheap, anytime), else revolve, whose deep nesting reaches the least
     # memory of the fixed policies.
     found, least = None, None
-    for solve, opts in ((solve_greedy, GreedyOptions), (solve_revolve, RevolveOptions)):
+    fallbacks = ((solve_greedy, GreedyOptions), (solve_revolve, RevolveOptions))
+    if graph.region_spans is not None:
+        fallbacks = ()  # neither keeps to module spans
+    for solve, opts in fallbacks:
         left_s = max(0.0, deadline - time.perf_counter())
         try:
             found = solve(graph, budget_bytes, opts(time_limit_s=left_s))
