@@ -441,8 +441,13 @@ def fsdp_main(args: argparse.Namespace) -> None:
         )
     for shape, seq, why in reasons:
         print(f"\n{shape} at {seq}, why offload (planner's summary):")
+        alike: dict[str, list[str]] = {}  # repeated layers give the same reason
         for line in why:
-            print("  " + line.strip())
+            name, _, reason = line.strip().partition(" offloaded ")
+            alike.setdefault(reason, []).append(name)
+        for reason, names in alike.items():
+            more = f" (and {len(names) - 1} more alike)" if len(names) > 1 else ""
+            print(f"  {names[0]} offloaded {reason}{more}" if reason else f"  {names[0]}")
 
 
 def main() -> None:

@@ -172,8 +172,9 @@ class _Prices:
     offload_bytes_per_s: float
     offload_overlap: float
     # Units each checkpoint call stashes (simulate's Rule 12), priced as held from the region's
-    # start to its backward's end, twice while it is recomputed; nested calls' stashes in the
-    # first forward are not carried to the root (simulate holds them longer): not exact there.
+    # start to its backward's end, plus fork_rng's copy at each forward event of a
+    # recomputation; nested calls' stashes in the first forward are not carried to the root,
+    # and a recomputation's nested stashes are held past it: not exact there.
     stash: int = 0
 
     def grad_rel(self, at: int, b: int) -> int:
@@ -418,7 +419,7 @@ class _Programme:
                     alive += p.size[t]
                     end = self.last_need(t, b, root)
                     ends[end] = ends.get(end, 0) + p.size[t]
-                best = max(best, alive + p.fwd_temp[i] + (p.held_fwd[i] if root else 0))
+                best = max(best, alive + p.fwd_temp[i] + (p.held_fwd[i] if root else p.stash))
                 got.append(best)
                 alive -= ends.pop(i, 0)
             self._wmax[key] = got
@@ -588,7 +589,8 @@ class _Programme:
         if partial:
             own = tuple(t for t in own if not p.after_last_save[t])
         fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
-        fwd += p.held_fwd[i] if root else 0
+        # a recomputation runs with fork_rng's copy of the stash it restored (Rule 12)
+        fwd += p.held_fwd[i] if root else p.stash
         bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i] + fetched
         bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
@@ -684,7 +686,7 @@ class _Programme:
                 held, inner_crossing, args = self.child_args(c, j, crossing, root)
                 inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
-                inner_shift += 2 * p.stash
+                inner_shift += p.stash  # its own stash, to its backward's end
                 if stopping and last_save < j:
                     # See simulate's Rule 5: the child is this recomputation's last save (its
                     # arguments), so the recomputation stops before it; the nodes after it run
