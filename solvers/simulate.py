@@ -53,8 +53,10 @@ Rule 12. Each checkpoint call (recompute and selective regions) stashes
         ``CostGraph.region_state_bytes`` (the RNG state ``preserve_rng_state`` restores) as it
         starts: in the first forward, held until that region's backward ends; in a parent's
         recomputation, until that recomputation ends (recomputed tensors are detached, so the
-        nested call's frame dies with it). Recomputing a region holds one more copy (the state
-        ``fork_rng`` puts back afterwards) until its recomputation ends.
+        nested call's frame dies with it). A region that saves nothing through its own
+        checkpoint (no node of its own saves, no nested region's arguments) leaves no frame
+        behind: its stash dies as its forward ends. Recomputing a region holds one more copy
+        (the state ``fork_rng`` puts back afterwards) until its recomputation ends.
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
@@ -198,7 +200,8 @@ class _Replay:
         for nd in graph.nodes:
             state_prefix.append(state_prefix[-1] + nd.state_bytes)
         self.state_bytes = {r: state_prefix[r.stop] - state_prefix[r.start] for r in self.regions}
-        self.early_stop = rule5_saves(graph) is not None
+        self.saves = rule5_saves(graph)
+        self.early_stop = self.saves is not None
         self.timeline: list[tuple[str, int]] = []
         self.recompute_flops = 0
         self.recompute_time_s = 0.0
@@ -300,6 +303,7 @@ class _Replay:
                 self._release((ctx, t_i))  # one forward use, or the producer's own hold
             if ctx is ROOT:
                 self.apply_changes(("fwd", i))
+            self._release_at(ctx, ("fwd_done", i))
         if ctx is not ROOT:
             self._release_at(ctx, ("recompute_end",))
 
@@ -332,10 +336,19 @@ class _Replay:
                 continue
             key = ("stash", ctx, r)
             self._hold(key, self.g.region_state_bytes, 1)
-            if ctx is ROOT:
+            if not self._keeps_frame(r):
+                self._later(ctx, ("fwd_done", r.stop - 1), key)
+            elif ctx is ROOT:
                 self._later(ROOT, ("stash_end", r), key)
             else:
                 self._later(ctx, ("recompute_end",), key)
+
+    def _keeps_frame(self, r: Region) -> bool:
+        """See Rule 12: whether region ``r``'s checkpoint packs anything (graphs without save
+        flags: assumed to)."""
+        if self.saves is None or self.kids[r]:
+            return True
+        return any(self.saves[i] for i in range(r.start, r.stop))
 
     def _hold_tensor(self, ctx, children, here, t_i, start, stop, run_stop) -> None:
         """Allocate storage ``t_i`` with one hold per reason it must stay alive.
