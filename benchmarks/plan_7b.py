@@ -40,6 +40,10 @@ class LlamaConfig:
     seq_len: int = 4096
     batch: int = 1
     dtype: torch.dtype = torch.bfloat16
+    # "eager": explicit fp32 softmax over S x S scores (Hugging Face's eager Llama); "sdpa": a
+    # causal F.scaled_dot_product_attention in its own module (``self_attn.core``), priced as
+    # the flash kernel (what long sequences need: no S x S tensor).
+    attention: str = "eager"
 
 
 class RMSNorm(nn.Module):
@@ -59,10 +63,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V, causal, in one fused kernel (a module of its own, so that a
+    plan applied in place may checkpoint or offload it alone, as Megatron's core attention)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.device.type == "meta":
+            # What F.scaled_dot_product_attention runs on an H100: the meta device has no
+            # kernel choice of its own (it would take the math path, S x S scores and all).
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.core = CoreAttention() if cfg.attention == "sdpa" else None
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
@@ -76,6 +93,8 @@ class LlamaAttention(nn.Module):
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if self.core is not None:
+            return self.o_proj(self.core(q, k, v).transpose(1, 2).reshape(b, s, d))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(mask, float("-inf"))
@@ -280,6 +299,154 @@ def sweep_main(args: argparse.Namespace) -> None:
     print(f"wrote {args.png}")
 
 
+# Llama-2-70B's dimensions with full multi-head attention (no grouped-query K/V: 78 B
+# parameters where the real model has 69 B; its K/V projections are 8x wider).
+LLAMA_70B = LlamaConfig(n_layer=80, d_model=8192, n_head=64, d_ff=28672)
+
+
+@dataclass(frozen=True)
+class FSDPRow:
+    shape: str
+    seq: int
+    step: str  # "no checkpointing" | "every layer" | "planner, no offload" | "planner + offload"
+    peak_bytes: int | None  # one rank's predicted peak above its baseline; None: nothing fits
+    step_time_s: float | None
+    tokens_per_s: float | None  # one rank's
+    offload_bytes: int = 0
+    regions: int = 0
+    note: str = ""
+
+
+def fsdp_rows(
+    shape: str,
+    cfg: LlamaConfig,
+    world: int,
+    device: str,
+    cap_bytes: float,
+    time_limit_s: float = 120.0,
+):
+    """One rank of ``world`` under FSDP2 (per-layer units, bf16, flash attention), priced on the
+    meta device with ``device``'s profile: no checkpointing, every layer, planner without and
+    with offload, each within ``cap_bytes`` less the rank's baseline. Returns (budget in
+    bytes, rows, the plan with offload or None)."""
+    from planner.devices import device_profile
+    from planner.fsdp import FSDPConfig
+    from planner.inplace import build_inplace_plan, price_inplace
+    from planner.solvers.auto import AutoOptions
+    from planner.solvers.costgraph import Region, Schedule
+    from planner.solvers.dp import DPOptions
+    from planner.solvers.errors import InfeasibleBudgetError
+    from planner.solvers.registry import get_solver
+    from planner.solvers.simulate import simulate
+
+    model, example = llama_example(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    # The pre-step baseline of one rank: its bf16 parameter shard and AdamW's two moments
+    # (same dtype). The budget is what the step may add on top of it.
+    baseline_bytes = 3 * n_params * cfg.dtype.itemsize // world
+    budget = cap_bytes - baseline_bytes
+    eg = price_inplace(model, example, device=device_profile(device), fsdp=FSDPConfig(world))
+    graph, tokens = eg.graph, cfg.batch * cfg.seq_len
+    every = Schedule(
+        tuple(Region(*eg.module_spans[f"layers.{i}"]) for i in range(cfg.n_layer)), "uniform"
+    )
+    rows, with_offload = [], None
+    for step, schedule in (("no checkpointing", Schedule()), ("every layer", every)):
+        sim = simulate(graph, schedule)
+        rows.append(
+            FSDPRow(
+                shape,
+                cfg.seq_len,
+                step,
+                sim.peak_bytes,
+                sim.step_time_s,
+                tokens / sim.step_time_s,
+                regions=len(schedule.regions),
+            )
+        )
+    for step, offload in (("planner, no offload", False), ("planner + offload", None)):
+        options = AutoOptions(time_limit_s=time_limit_s, dp=DPOptions(max_depth=2, offload=offload))
+        try:
+            schedule = get_solver("auto")(graph, budget, options)
+        except InfeasibleBudgetError:  # its stated least is dp's grid's, not shown
+            rows.append(FSDPRow(shape, cfg.seq_len, step, None, None, None))
+            continue
+        sim = simulate(graph, schedule)
+        rows.append(
+            FSDPRow(
+                shape,
+                cfg.seq_len,
+                step,
+                sim.peak_bytes,
+                sim.step_time_s,
+                tokens / sim.step_time_s,
+                sim.offload_bytes,
+                len(schedule.regions),
+                schedule.solver,
+            )
+        )
+        if offload is None:
+            with_offload = build_inplace_plan(model, eg, schedule, round(budget))
+    return budget, baseline_bytes, rows, with_offload
+
+
+def fsdp_main(args: argparse.Namespace) -> None:
+    world, cap_bytes = args.fsdp, args.cap_gb * 1e9
+    shapes = {"7B": LlamaConfig(), "70B": LLAMA_70B}
+    seqs = [int(s) for s in args.seqs.split(",")]
+    print(
+        f"FSDP2 on {world} x {args.cap_gb:g} GB ({args.device} profile), one rank's figures; "
+        f"Llama shapes, bf16, flash attention, batch 1 per rank, meta device. All figures are "
+        f"predictions (fake tensors, roofline times, FSDP2's buffers; communication time not "
+        f"counted)."
+    )
+    table, reasons = [], []
+    for shape in args.shapes.split(","):
+        for seq in seqs:
+            t0 = time.perf_counter()
+            cfg = replace(shapes[shape], seq_len=seq, attention="sdpa")
+            if args.layers:
+                cfg = replace(cfg, n_layer=args.layers)
+            budget, baseline, rows, plan = fsdp_rows(
+                shape, cfg, world, args.device, cap_bytes, args.time_limit_s
+            )
+            print(
+                f"  {shape} ({cfg.n_layer} layers) at {seq}: per-rank baseline "
+                f"{baseline / 1e9:.1f} GB, step budget {budget / 1e9:.1f} GB; priced and planned "
+                f"in {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
+            table += [(budget, r) for r in rows]
+            if plan is not None and plan.simulation.offload_bytes:
+                why = [ln for ln in plan.summary().splitlines() if "offloaded" in ln]
+                reasons.append((shape, seq, why))
+    print(
+        "\n| shape | seq | step | per-rank peak | fits | step time | tokens/s per rank "
+        "| offloaded | regions |"
+    )
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|")
+    for budget, r in table:
+        if r.peak_bytes is None:
+            print(f"| {r.shape} | {r.seq} | {r.step} | no plan found | no | - | - | - | - |")
+            continue
+        fits = "yes" if r.peak_bytes <= budget else "no"
+        name = f"{r.step} ({r.note})" if r.note else r.step
+        print(
+            f"| {r.shape} | {r.seq} | {name} | {r.peak_bytes / 1e9:.1f} GB | {fits} "
+            f"| {r.step_time_s:.2f} s | {r.tokens_per_s:,.0f} | {r.offload_bytes / 1e9:.2f} GB "
+            f"| {r.regions} |"
+        )
+    for shape, seq, why in reasons:
+        print(f"\n{shape} at {seq}, why offload (planner's summary):")
+        alike: dict[str, list[str]] = {}  # repeated layers give the same reason
+        for line in why:
+            name, _, reason = line.strip().partition(" offloaded ")
+            alike.setdefault(reason, []).append(name)
+        for reason, names in alike.items():
+            more = f" (and {len(names) - 1} more alike)" if len(names) > 1 else ""
+            print(f"  {names[0]} offloaded {reason}{more}" if reason else f"  {names[0]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -293,7 +460,15 @@ def main() -> None:
     parser.add_argument("--device", default="h100", help="profile for --batch-sweep")
     parser.add_argument("--solver", default="dp", help="planner's solver for --batch-sweep")
     parser.add_argument("--png", default="plan_7b_batch_sweep.png", help="for --batch-sweep")
+    parser.add_argument("--fsdp", type=int, default=0, help="per-rank plans for N ranks")
+    parser.add_argument("--shapes", default="7B,70B", help="for --fsdp")
+    parser.add_argument("--seqs", default="4096,32768", help="for --fsdp")
+    parser.add_argument("--time-limit-s", type=float, default=120.0, help="for --fsdp")
     args = parser.parse_args()
+    if args.fsdp:
+        args.layers = args.layers if args.layers != 32 else 0  # 0: each shape's own depth
+        fsdp_main(args)
+        return
     if args.batch_sweep:
         sweep_main(args)
         return

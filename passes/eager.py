@@ -48,6 +48,7 @@ from planner.passes.estimate import (
     _Segment,
     _to_fake,
     _Tracker,
+    device_fields,
     node_tags,
     storage_records,
     with_measured_times,
@@ -334,6 +335,7 @@ def eager_graph(
     seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
     rates = rates or profile_of(device)
     graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
+    graph = replace(graph, **device_fields(device, rates))
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time)
     return _candidates(model, graph, calls)

@@ -469,7 +469,23 @@ def estimate(
         flops_per_s, bytes_per_s = rates
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
     graph = _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend)
+    graph = dataclasses.replace(graph, **device_fields(device, rates))
     return with_measured_times(graph, tracker, device, rates, step_time) if time_ops else graph
+
+
+def device_fields(device: torch.device, rates: DeviceProfile) -> dict[str, Any]:
+    """The CostGraph fields that depend on the device and its profile.
+
+    ``region_state_bytes`` (simulate's Rule 12): ``preserve_rng_state`` stashes
+    ``torch.get_rng_state()``, a CPU tensor, device memory only on the CPU; CUDA's generator
+    states are CPU tensors too, so 0 there (and on meta, which plans for an accelerator).
+    Offloading (Rule 7) as the profile says: its host link, and how far transfers overlap."""
+    stash = torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0
+    return {
+        "region_state_bytes": stash,
+        "host_link": rates.host_link and device.type != "cpu",
+        "offload_overlap": rates.offload_overlap,
+    }
 
 
 def with_measured_times(

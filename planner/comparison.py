@@ -49,6 +49,7 @@ class Row:
     recompute_time_s: float | None = None
     predicted_step_time_s: float | None = None  # forward + backward + recompute (Plan's)
     measured_step_time_s: float | None = None
+    offload_bytes: int = 0  # predicted bytes its offload regions send to host
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Comparison:
         header += ["measured peak", "step time ratio"] if measured else []
         header += ["predicted step"] + (["measured step"] if measured else [])
         header += ["recompute time", "recompute FLOPs", "solve time"]
+        offloads = any(r.offload_bytes for r in self.rows)
+        header += ["offloaded"] if offloads else []
         rows = self.ranked()
         body = []
         for r in rows:
@@ -109,6 +112,7 @@ class Comparison:
                 cells += [_ms(r.measured_step_time_s)] if measured else []
                 time_text = "-" if r.recompute_time_s is None else format_ms(r.recompute_time_s)
                 cells += [time_text, f"+{r.recompute_flops_pct:.1f}%", f"{r.solve_time_s:.2f} s"]
+                cells += [_mib(r.offload_bytes)] if offloads else []
             else:
                 least = (
                     f"no: least {_mib(r.least_feasible_bytes)}"
@@ -119,6 +123,7 @@ class Comparison:
                 cells += ["-", "-"] if measured else []
                 cells += ["-"] + (["-"] if measured else [])
                 cells += ["-", "-", f"{r.solve_time_s:.2f} s"]
+                cells += ["-"] if offloads else []
             body.append(cells)
         return rows, header, body
 
@@ -307,6 +312,7 @@ def compare(
                         note="" if name == p.solver else f"chose {p.solver}",
                         predicted_step_time_s=p.predicted_step_time_s,
                         measured_step_time_s=None if measured is None else measured.step_time_s,
+                        offload_bytes=p.simulation.offload_bytes,
                     )
                 )
                 plans[(name, budget_bytes)] = p

@@ -28,13 +28,18 @@ import torch
 class DeviceProfile:
     """Rates of one device for the roofline: time = max(FLOPs / flops_per_s, bytes / bytes_per_s).
 
-    ``host_bytes_per_s`` prices offloading (device -> host and back).
+    ``host_bytes_per_s`` prices offloading (device -> host and back). ``host_link``: host memory
+    is not the device's, so offloading frees device memory (False on a CPU, where solvers then
+    never offload). ``offload_overlap``: the share of an offload region's own compute its
+    transfers hide behind (simulate's Rule 7).
     """
 
     name: str
     flops_per_s: float
     bytes_per_s: float
     host_bytes_per_s: float
+    host_link: bool = True
+    offload_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         for field_name in ("flops_per_s", "bytes_per_s", "host_bytes_per_s"):
@@ -45,6 +50,11 @@ class DeviceProfile:
                 raise ValueError(
                     f"DeviceProfile.{field_name} must be a positive finite rate, got {value!r}"
                 )
+        if not 0.0 <= self.offload_overlap <= 1.0:
+            raise ValueError(
+                f"DeviceProfile.offload_overlap is a share of compute in [0, 1], got "
+                f"{self.offload_overlap!r}"
+            )
 
 
 # Datasheet peaks: (dense bf16 FLOP/s, HBM bytes/s, host link bytes/s one way). Keys are matched
@@ -63,9 +73,17 @@ _GPU_PEAKS = {
 DERATE = 0.6
 # The meta device (planning without hardware) is priced as this GPU unless told otherwise.
 META_DEFAULT = "a100-80gb"
+# How much of an offload region's own compute its copies hide behind on a GPU: planner's
+# executor (planner/offload.py) copies on a side stream (copy engines run beside the SMs) and
+# prefetches a region's tensors as its backward starts; the share left exposed stands for the
+# ends of the region (the last saves, the first backward) and PCIe contending with HBM. An
+# assumption, not a measurement (no GPU here): set your own with DeviceProfile(...).
+GPU_OFFLOAD_OVERLAP = 0.8
 
 PROFILES: dict[str, DeviceProfile] = {
-    name: DeviceProfile(name, *(rate * DERATE for rate in peaks))
+    name: DeviceProfile(
+        name, *(rate * DERATE for rate in peaks), offload_overlap=GPU_OFFLOAD_OVERLAP
+    )
     for name, peaks in _GPU_PEAKS.items()
 }
 
@@ -89,8 +107,8 @@ def device_profile(device: str | DeviceProfile) -> DeviceProfile:
     key = device.strip().lower()
     if key == "cpu":
         flops_per_s, bytes_per_s = device_rates(torch.device("cpu"))
-        # Offloading on a CPU copies within the same memory.
-        return DeviceProfile("cpu", flops_per_s, bytes_per_s, bytes_per_s)
+        # Offloading on a CPU copies within the same memory: it frees nothing.
+        return DeviceProfile("cpu", flops_per_s, bytes_per_s, bytes_per_s, host_link=False)
     if key in PROFILES:
         return PROFILES[key]
     raise ValueError(
@@ -111,11 +129,13 @@ def profile_of(device: torch.device) -> DeviceProfile:
             return known
         flops_per_s, bytes_per_s = device_rates(device)
         host_bytes_per_s = PROFILES[META_DEFAULT].host_bytes_per_s
-        return DeviceProfile(name, flops_per_s, bytes_per_s, host_bytes_per_s)
+        return DeviceProfile(
+            name, flops_per_s, bytes_per_s, host_bytes_per_s, offload_overlap=GPU_OFFLOAD_OVERLAP
+        )
     if device.type == "cpu":
         return device_profile("cpu")
     flops_per_s, bytes_per_s = device_rates(device)
-    return DeviceProfile(device.type, flops_per_s, bytes_per_s, bytes_per_s)
+    return DeviceProfile(device.type, flops_per_s, bytes_per_s, bytes_per_s, host_link=False)
 
 
 def _gpu_profile(cuda_name: str) -> DeviceProfile | None:

@@ -27,6 +27,9 @@ so dim 0 divides by N, and ``grads(u)`` its trainable parameters' unpadded bytes
   ``full(u)`` allocated, the unsharded gradients ``grads(u)`` freed, the sharded gradients
   ``full(u) / N`` allocated (kept to the end of the step). The root's post-backward ends the
   step, and the last reduce-scatter input is freed with it.
+- Gloo (CPU) runs each collective through a copy of the whole unit: an all-gather's is freed
+  at once; a reduce-scatter's is held by its work object until the next reduce-scatter has
+  allocated its own (seen in the allocator's events; the last one until the step ends).
 
 Not modelled (refused or out of scope): mixed-precision policies, CPU offload of parameters,
 HSDP, explicit forward prefetch, gradient accumulation without reduce-scatter.
@@ -155,6 +158,7 @@ def fsdp_changes(
     """FSDP2's buffers on one rank as CostGraph buffer changes (module docstring)."""
     root, *blocks = _units(model, eg, config)
     n, world = len(eg.graph.nodes), config.world_size
+    gloo = config.backend == "gloo"
     changes: list[BufferChange] = []
 
     def add(after: tuple[str, int], delta_bytes: int, what: str) -> None:
@@ -167,7 +171,7 @@ def fsdp_changes(
     def collective(after: tuple[str, int], u: _Unit, size_bytes: int, what: str) -> None:
         """A collective's output, and gloo's transient copy of the whole unit."""
         add(after, size_bytes, f"fsdp:{what} {name(u)}")
-        if config.backend == "gloo":
+        if gloo:
             add(after, u.full_bytes, f"fsdp:{what} {name(u)} (gloo copy)")
             add(after, -u.full_bytes, "")
 
@@ -201,20 +205,28 @@ def fsdp_changes(
             add(pre, -u.full_bytes, "")
             if k > 0:
                 collective(pre, blocks[k - 1], blocks[k - 1].full_bytes, "all-gather")
-        rs_held = _post_backward(add, collective, u, ("bwd", u.start), rs_held, world)
-    rs_held = _post_backward(add, collective, root, ("bwd", 0), rs_held, world)
+        rs_held = _post_backward(add, u, ("bwd", u.start), rs_held, world, gloo)
+    rs_held = _post_backward(add, root, ("bwd", 0), rs_held, world, gloo)
     add(("bwd", 0), -rs_held.reduce_bytes, "")  # the root's final callback
+    if gloo:
+        add(("bwd", 0), -rs_held.full_bytes, "")
     return tuple(changes)
 
 
-def _post_backward(add, collective, u: _Unit, at, rs_held: _Unit | None, world: int) -> _Unit:
+def _post_backward(add, u: _Unit, at, rs_held: _Unit | None, world: int, gloo: bool) -> _Unit:
     """A unit's post-backward: reshard, reduce-scatter its gradients (module docstring)."""
     add(at, -u.full_bytes, "")  # reshard
     if rs_held is not None:
         add(at, -rs_held.reduce_bytes, "")  # one reduce-scatter input kept in flight
     add(at, u.reduce_bytes, f"fsdp:reduce-scatter input {u.path or 'root'}")
     add(at, -u.grad_bytes, "")  # the unsharded gradients, copied in
-    collective(at, u, u.reduce_bytes // world, "sharded grads")
+    add(at, u.reduce_bytes // world, f"fsdp:sharded grads {u.path or 'root'}")
+    if gloo:
+        # Gloo's reduce-scatter runs through a copy of the whole unit that its work object
+        # holds; seen freed only once the next reduce-scatter has made its own.
+        add(at, u.full_bytes, f"fsdp:sharded grads {u.path or 'root'} (gloo copy)")
+        if rs_held is not None:
+            add(at, -rs_held.full_bytes, "")
     return u
 
 

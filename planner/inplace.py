@@ -39,6 +39,7 @@ from torch.utils.checkpoint import (
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig, per_rank
 from planner.measurement import measured_step_time
+from planner.offload import offloaded_call
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
 from planner.passes.step import LossFn
@@ -295,8 +296,7 @@ class _RegionForward(ForwardWrapper):
         body = functools.partial(self.run_original, module, **kwargs)
         kind = self.region.kind
         if kind == "offload":
-            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return body(*args)
+            return offloaded_call(body, module, *args)
         if kind != "selective":
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
         policy = _Policy(self)

@@ -281,6 +281,24 @@ class _LiveStorageTracker(TorchDispatchMode):
         self.mark(f"{self.phase}:{func}")
         return out
 
+    def __enter__(self) -> _LiveStorageTracker:
+        # torch.utils.checkpoint stashes the CPU RNG state per call (preserve_rng_state) and
+        # fork_rng copies it again around a recomputation: real CPU allocations that no op
+        # dispatches, so they are counted as torch.get_rng_state returns them.
+        self._get_rng_state = torch.get_rng_state
+
+        def get_rng_state() -> torch.Tensor:
+            state = self._get_rng_state()
+            self._born(state.untyped_storage())
+            return state
+
+        torch.get_rng_state = get_rng_state
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.get_rng_state = self._get_rng_state
+        super().__exit__(*exc)
+
     def _born(self, st: torch.UntypedStorage) -> None:
         cell = [st.nbytes()]
         self._seen[st] = cell

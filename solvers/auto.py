@@ -72,7 +72,8 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
         try:
             schedule = get_solver(name)(graph, budget_bytes, own)
         except InfeasibleBudgetError as e:
-            least = e.min_bytes if least is None else min(least, e.min_bytes)
+            if e.min_bytes is not None:  # None: cut short before it knew
+                least = e.min_bytes if least is None else min(least, e.min_bytes)
             continue
         if schedule.solver != name or time_limit_text(own) in schedule.note:
             cut_short.append(f"{name}: {schedule.note}")
@@ -83,7 +84,7 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
         if name == "none":
             break  # the eager step fits: nothing beats no recomputation
     if not found:
-        raise InfeasibleBudgetError(budget_bytes, least or 0, "(solver 'auto')")
+        raise InfeasibleBudgetError(budget_bytes, least, "(solver 'auto')")
     found.sort(key=lambda f: (f[0], f[1]))
     time_s, _, name, best = found[0]
     base_s = graph.step_time_s  # the notes give the time each adds to the step

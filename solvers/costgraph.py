@@ -149,6 +149,9 @@ class CostGraph:
     # copy stream beside the compute stream; 0: transfers are fully exposed). See simulate's
     # Rule 7.
     offload_overlap: float = 0.0
+    # Whether offloading frees device memory (a GPU's host link). On a CPU host memory is the
+    # device's: solvers then never offload (simulate's Rule 7 would credit bytes still there).
+    host_link: bool = False
     grad_buffers: tuple[GradBuffer, ...] | None = None
     # What a checkpoint region adds to a step's time beyond recomputing its nodes
     # (region_overhead_time_s; measured on the device by passes/op_timing.py, 0 for roofline
@@ -167,6 +170,10 @@ class CostGraph:
     # Buffers held outside autograd at fixed points of the step (FSDP2's, per rank); the
     # budget's baseline is what is allocated before the step, so these count.
     buffer_changes: tuple[BufferChange, ...] = ()
+    # What each checkpoint region's call stashes to restore on recomputation, in device bytes
+    # (torch.utils.checkpoint's preserve_rng_state: the CPU generator's state, 5056 bytes on
+    # the CPU; on CUDA the device RNG states are CPU tensors, so 0). See simulate's Rule 12.
+    region_state_bytes: int = 0
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def node_time_s(self, i: int, backward: bool = False) -> float:

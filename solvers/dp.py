@@ -11,19 +11,20 @@ brute force (every laminar family, scored by ``simulate``) at every budget on ra
 DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
 (``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
 recomputed to their end with their cache held for the whole region (``simulate.region_peak``),
-and two rules only estimated graphs use, which dp does not model, so its prices may differ from
-simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1) and buffer copies (Rule
-9). :func:`solve_dp` replays its answer through ``simulate`` and never returns a plan above the
-budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of the uncoarsened
-graph on a 1-byte grid and the graph uses neither of those two rules; the note names the space
-searched.
+and three rules only estimated graphs use, which dp does not model exactly, so its prices may
+differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
+copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region, nested ones
+approximately). :func:`solve_dp` replays its answer through ``simulate`` and never returns a
+plan above the budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of
+the uncoarsened graph on a 1-byte grid and the graph uses none of those three rules; the note
+names the space searched.
 
-With ``DPOptions.offload`` (off by default) the space also holds top-level offload regions with
-nothing nested in them (simulate's Rule 7: saves sent to host, transfers partly hidden behind the
-region's compute), priced as the time they add to the step; exact against brute force over the
-same space too. It is off by default because on a CPU the host is the device (an offload frees
-nothing there), and the in-place form does not run offload regions: dp never offers them on a
-graph with region spans.
+With ``DPOptions.offload`` (by default: when ``CostGraph.host_link``, a GPU's) the space also
+holds top-level offload regions with nothing nested in them (simulate's Rule 7: saves sent to
+host, transfers partly hidden behind the region's compute), priced as the time they add to the
+step; exact against brute force over the same space too. Never by default on a CPU, where the
+host is the device (an offload frees nothing there). On a module-granular graph they are its
+spans (the in-place form runs them with ``planner/offload.py``).
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
@@ -125,8 +126,9 @@ class DPOptions(SolverOptions):
     selective: bool = True
     coarse_span: int = DEFAULT_COARSE_SPAN
     max_bounds: int | None = DEFAULT_MAX_BOUNDS
-    # Also offer top-level offload regions (simulate's Rule 7), on graphs without region spans.
-    offload: bool = False
+    # Also offer top-level offload regions (simulate's Rule 7). None: when the graph's device
+    # has a host link (``CostGraph.host_link``: offloading frees device memory; never on a CPU).
+    offload: bool | None = None
 
 
 class OutOfTime(Exception):
@@ -169,6 +171,11 @@ class _Prices:
     bwd_prefix_s: tuple[float, ...]
     offload_bytes_per_s: float
     offload_overlap: float
+    # Units each checkpoint call stashes (simulate's Rule 12), priced as held from the region's
+    # start to its backward's end, plus fork_rng's copy at each forward event of a
+    # recomputation; nested calls' stashes in the first forward are not carried to the root,
+    # and a recomputation's nested stashes are held past it: not exact there.
+    stash: int = 0
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -252,6 +259,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         bwd_prefix_s=tuple(bwd_prefix),
         offload_bytes_per_s=graph.offload_bytes_per_s,
         offload_overlap=graph.offload_overlap,
+        stash=units(graph.region_state_bytes),
     )
 
 
@@ -300,8 +308,8 @@ class _Programme:
         offload: bool = False,
     ) -> None:
         self.p = p
-        # Top-level offload regions; not on module-granular graphs (the in-place form has none).
-        self.offload = offload and spans is None
+        # Top-level offload regions with nothing nested in them.
+        self.offload = offload
         self.deadline = deadline
         # Region boundaries only after nodes that allocate (a cut after a view is the same cut
         # as the one before it, and skipping it leaves fewer states), never where an in-place
@@ -411,7 +419,7 @@ class _Programme:
                     alive += p.size[t]
                     end = self.last_need(t, b, root)
                     ends[end] = ends.get(end, 0) + p.size[t]
-                best = max(best, alive + p.fwd_temp[i] + (p.held_fwd[i] if root else 0))
+                best = max(best, alive + p.fwd_temp[i] + (p.held_fwd[i] if root else p.stash))
                 got.append(best)
                 alive -= ends.pop(i, 0)
             self._wmax[key] = got
@@ -438,13 +446,13 @@ class _Programme:
                 if t not in cached_set:
                     end = self.last_need(t, b, root)
                     ends[end] = ends.get(end, 0) + p.size[t]
-            fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i])
+            fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
             alive -= ends.pop(i, 0)
         # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
         inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
         held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-        held += sum(p.size[t] for t in cached)
-        kept_bytes, nxt = 0, []
+        held += sum(p.size[t] for t in cached) + 2 * p.stash
+        kept_bytes, nxt = p.stash, []
         for t, kept in crossing:
             if self.last_need(t, b, root) < j:
                 kept_bytes += p.size[t]
@@ -581,7 +589,8 @@ class _Programme:
         if partial:
             own = tuple(t for t in own if not p.after_last_save[t])
         fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
-        fwd += p.held_fwd[i] if root else 0
+        # a recomputation runs with fork_rng's copy of the stash it restored (Rule 12)
+        fwd += p.held_fwd[i] if root else p.stash
         bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i] + fetched
         bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
@@ -667,7 +676,7 @@ class _Programme:
             for j in ends:
                 if j == b and not whole_ok:
                     break
-                fwd = cross_bytes + peaks[j - 1 - c]
+                fwd = cross_bytes + peaks[j - 1 - c] + p.stash
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
                 for i in range(last, j):
@@ -677,6 +686,7 @@ class _Programme:
                 held, inner_crossing, args = self.child_args(c, j, crossing, root)
                 inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
+                inner_shift += p.stash  # its own stash, to its backward's end
                 if stopping and last_save < j:
                     # See simulate's Rule 5: the child is this recomputation's last save (its
                     # arguments), so the recomputation stops before it; the nodes after it run
@@ -700,7 +710,7 @@ class _Programme:
                 inner = self.value(c, j, inner_crossing, False, False, depth + 1)
                 if inner[-1] == INF:
                     continue
-                kept_bytes, nxt = 0, [(t, False) for t in surviving]
+                kept_bytes, nxt = p.stash, [(t, False) for t in surviving]
                 for t, kept in crossing:
                     if kept == ARG:
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
@@ -905,7 +915,7 @@ def solve_all(
         options.selective,
         deadline,
         graph.region_spans,
-        options.offload,
+        graph.host_link if options.offload is None else options.offload,
     )
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
@@ -966,6 +976,7 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
     # Optimal for simulate only where its prices are simulate's (see the module docstring).
     every = every and not any(nd.state_bytes for nd in graph.nodes)
     every = every and not any(t.freed_after > t.producer for t in graph.tensors)
+    every = every and not graph.region_state_bytes
     for with_selective in (True, False) if options.selective else (False,):
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
@@ -977,7 +988,14 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
         exact = every and solved.unit_bytes == 1
         return schedule.regions, note, 0.0 if exact else None
     opts = replace(options, selective=False)
-    least, schedule = least_memory_schedule(graph, opts, deadline)
+    found = least_memory_schedule(graph, opts, deadline)
+    if found is None:  # bytes rounded up to the grid add up past the eager peak itself
+        detail = (
+            f"(solver 'dp': on its grid of {options.grid} steps nothing fits below the eager "
+            f"peak; a finer DPOptions.grid may)"
+        )
+        raise InfeasibleBudgetError(budget_bytes, eager, detail)
+    least, schedule = found
     if least > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
     exact = every and eager <= options.grid and least == budget_bytes
@@ -1022,7 +1040,10 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     # Out of time: greedy (cheap, anytime), else revolve, whose deep nesting reaches the least
     # memory of the fixed policies.
     found, least = None, None
-    for solve, opts in ((solve_greedy, GreedyOptions), (solve_revolve, RevolveOptions)):
+    fallbacks = ((solve_greedy, GreedyOptions), (solve_revolve, RevolveOptions))
+    if graph.region_spans is not None:
+        fallbacks = ()  # neither keeps to module spans
+    for solve, opts in fallbacks:
         left_s = max(0.0, deadline - time.perf_counter())
         try:
             found = solve(graph, budget_bytes, opts(time_limit_s=left_s))

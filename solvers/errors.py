@@ -12,16 +12,22 @@ class PlannerError(Exception):
 
 
 class InfeasibleBudgetError(PlannerError):
-    """No schedule fits the budget. ``min_bytes`` is the least peak any schedule reaches."""
+    """No schedule fits the budget. ``min_bytes`` is the least peak any schedule reaches (None:
+    the solver was cut short before it knew)."""
 
-    def __init__(self, budget_bytes: float, min_bytes: int, detail: str = "") -> None:
+    def __init__(self, budget_bytes: float, min_bytes: int | None, detail: str = "") -> None:
         self.budget_bytes = budget_bytes
         self.min_bytes = min_bytes
+        least = (
+            "no solver finished in time to say what the least feasible budget is. Give "
+            "time_limit_s more, raise mem_budget_gb,"
+            if min_bytes is None
+            else f"the least feasible budget is {size_text(min_bytes)}. Raise mem_budget_gb to "
+            f"at least {min_bytes / 1e9!r},"
+        )
         super().__init__(
-            f"no checkpoint schedule fits a budget of {size_text(budget_bytes)}; the least "
-            f"feasible budget is {size_text(min_bytes)}. Raise mem_budget_gb to at least "
-            f"{min_bytes / 1e9!r}, or shrink the batch or sequence length."
-            + (f" {detail}" if detail else "")
+            f"no checkpoint schedule fits a budget of {size_text(budget_bytes)}; {least} or "
+            f"shrink the batch or sequence length." + (f" {detail}" if detail else "")
         )
 
 

@@ -49,6 +49,14 @@ Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their 
         the first forward and of backward, never during a recomputation: a change after node
         i's backward comes before the recomputation of a region ending at node i - 1 (FSDP2
         all-gathers a block for backward before autograd reaches the checkpoint inside it).
+Rule 12. Each checkpoint call (recompute and selective regions) stashes
+        ``CostGraph.region_state_bytes`` (the RNG state ``preserve_rng_state`` restores) as it
+        starts: in the first forward, held until that region's backward ends; in a parent's
+        recomputation, until that recomputation ends (recomputed tensors are detached, so the
+        nested call's frame dies with it). A region that saves nothing through its own
+        checkpoint (no node of its own saves, no nested region's arguments) leaves no frame
+        behind: its stash dies as its forward ends. Recomputing a region holds one more copy
+        (the state ``fork_rng`` puts back afterwards) until its recomputation ends.
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
@@ -192,7 +200,8 @@ class _Replay:
         for nd in graph.nodes:
             state_prefix.append(state_prefix[-1] + nd.state_bytes)
         self.state_bytes = {r: state_prefix[r.stop] - state_prefix[r.start] for r in self.regions}
-        self.early_stop = rule5_saves(graph) is not None
+        self.saves = rule5_saves(graph)
+        self.early_stop = self.saves is not None
         self.timeline: list[tuple[str, int]] = []
         self.recompute_flops = 0
         self.recompute_time_s = 0.0
@@ -256,6 +265,11 @@ class _Replay:
         start, stop = (0, len(self.g.nodes)) if ctx is ROOT else (ctx.start, ctx.stop)
         children = self.children(ctx)
         last, partial = (stop - 1, False) if ctx is ROOT else self._stop_node(ctx, children)
+        stash = self.g.region_state_bytes
+        if ctx is not ROOT and ctx.kind != "offload" and stash:
+            key = ("stash_run", ctx)  # fork_rng's copy of the state it restores (Rule 12)
+            self._hold(key, stash, 1)
+            self._later(ctx, ("recompute_end",), key)
         if ctx is not ROOT and ctx.kind != "offload" and self.state_bytes[ctx]:
             # rewrite's fresh copies of the pre-step buffer values, for this recomputation (Rule 9)
             key = ("state_run", ctx)
@@ -264,6 +278,8 @@ class _Replay:
         for i in range(start, last + 1):
             here = self._owner(i, children)
             self._hold_state_copies(ctx, children, i)
+            if stash:
+                self._stash(ctx, i)
             if ctx is not ROOT and i in ctx.saved_nodes:
                 # See Rule 6: the node does not run again, so its inputs lose this reader at
                 # once; a cached output handed back lives to its last reader here.
@@ -286,6 +302,7 @@ class _Replay:
                 self._release((ctx, t_i))  # one forward use, or the producer's own hold
             if ctx is ROOT:
                 self.apply_changes(("fwd", i))
+            self._release_at(ctx, ("fwd_done", i))
         if ctx is not ROOT:
             self._release_at(ctx, ("recompute_end",))
 
@@ -310,6 +327,27 @@ class _Replay:
             key = ("state", ctx, r)
             self._hold(key, self.state_bytes[r], 1)
             self._later(ctx, ("region_end", top), key)
+
+    def _stash(self, ctx: Region, i: int) -> None:
+        """See Rule 12: the checkpoints starting at node ``i`` stash their RNG state."""
+        for r in self.starts_at[i]:
+            if r is ctx or r.kind == "offload" or (ctx is not ROOT and not ctx.covers(r)):
+                continue
+            key = ("stash", ctx, r)
+            self._hold(key, self.g.region_state_bytes, 1)
+            if not self._keeps_frame(r):
+                self._later(ctx, ("fwd_done", r.stop - 1), key)
+            elif ctx is ROOT:
+                self._later(ROOT, ("stash_end", r), key)
+            else:
+                self._later(ctx, ("recompute_end",), key)
+
+    def _keeps_frame(self, r: Region) -> bool:
+        """See Rule 12: whether region ``r``'s checkpoint packs anything (graphs without save
+        flags: assumed to)."""
+        if self.saves is None or self.kids[r]:
+            return True
+        return any(self.saves[i] for i in range(r.start, r.stop))
 
     def _hold_tensor(self, ctx, children, here, t_i, start, stop, run_stop) -> None:
         """Allocate storage ``t_i`` with one hold per reason it must stay alive.
@@ -395,6 +433,7 @@ class _Replay:
                 self.forward(region, "recompute")
                 self.backward(region)
                 self._release_at(ctx, ("region_end", region))
+                self._release_at(ROOT, ("stash_end", region))  # Rule 12
                 i = region.start - 1
                 continue
             node = self.g.nodes[i]

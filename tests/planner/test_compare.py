@@ -202,6 +202,17 @@ def test_markdown_has_one_line_per_row_and_states_infeasibility():
     assert "measured peak" in measured and "1.20x" in measured
 
 
+def test_markdown_shows_offloaded_bytes_when_a_plan_offloads():
+    c = hand_comparison()
+    assert "offloaded" not in c.to_markdown()
+    offloading = dataclasses.replace(c.rows[0], offload_bytes=3 * MIB)
+    text = dataclasses.replace(c, rows=(offloading, *c.rows[1:])).to_markdown()
+    header, rule, *body = text.strip().splitlines()[2:]
+    assert header.rstrip(" |").endswith("offloaded")
+    assert body[0].rstrip(" |").endswith("3.000 MiB")
+    assert all(line.count("|") == header.count("|") for line in body)
+
+
 def test_rich_table_and_pandas_carry_every_row():
     c = hand_comparison(measured=True)
     table = c.__rich__()

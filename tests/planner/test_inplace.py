@@ -88,6 +88,37 @@ def test_selective_and_nested_regions_keep_what_was_planned_bitwise(planned):
     assert measured < p.baseline_peak_bytes
 
 
+def test_offload_regions_run_their_hooks_with_bitwise_gradients(planned, monkeypatch):
+    """An offload region in place (planner/offload.py): on the CPU the host is the device, so
+    nothing is copied, but every saved tensor goes through the pack and unpack hooks (the
+    parameters and the block's input stay as they are), and the gradients are bitwise the
+    model's own, dropout included."""
+    from planner import offload
+    from planner.inplace import build_inplace_plan
+    from planner.passes.eager import eager_graph
+    from planner.solvers.costgraph import Region, Schedule
+
+    model, reference, example, _, _ = planned
+    eg = eager_graph(model, example)
+    (a, b) = next(s for s, path in eg.spans.items() if path == "blocks.1")
+    p = build_inplace_plan(model, eg, Schedule((Region(a, b, 0, "offload"),), "manual"), 10**9)
+    assert [m.kind for m in p.module_regions] == ["offload"]
+    packed, unpacked = [], []
+    pack, unpack = offload._Call.pack, offload._Call.unpack
+    monkeypatch.setattr(offload._Call, "pack", lambda c, t: packed.append(t) or pack(c, t))
+    monkeypatch.setattr(offload._Call, "unpack", lambda c, t: unpacked.append(t) or unpack(c, t))
+    try:
+        p.apply(model)
+        assert_same_step_copy(reference, model, example)
+    finally:
+        planner.remove(model)
+    assert packed and len(unpacked) == len(packed)
+    block = dict(model.named_modules())["blocks.1"]
+    weights = {t.data_ptr() for t in block.parameters()}
+    assert weights & {t.data_ptr() for t in packed}  # linears save their weights: left alone
+    assert p.simulation.offload_bytes > 0  # the model prices the activations it sends
+
+
 def test_apply_keeps_the_model_object_class_and_state(planned):
     model, _, _, p, _ = planned
     keys = list(model.state_dict())

@@ -162,3 +162,24 @@ def test_compiled_flops_count_what_the_partitioner_recomputes():
     assert keep_all_flops == eager_flops
     assert keep_none_flops > 1.3 * eager_flops
     assert keep_none.method == "profiler" and keep_none.saved_bytes == 0
+
+
+def test_tracker_counts_the_rng_state_a_checkpoint_stashes():
+    """preserve_rng_state stashes torch.get_rng_state() (no op dispatches it) and fork_rng
+    copies it again while recomputing: at the recomputation's peak both are live, and the
+    tracker counts them as the profiler's allocator events do."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self, preserve: bool) -> None:
+            super().__init__()
+            self.linear, self.preserve = nn.Linear(8, 8), preserve
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            body = lambda y: self.linear(y).relu()  # noqa: E731
+            return checkpoint(body, x, use_reentrant=False, preserve_rng_state=self.preserve)
+
+    x = torch.randn(4, 8)
+    stash = torch.get_rng_state().untyped_storage().nbytes()
+    with_state = measure(Checkpointed(True), x)
+    assert with_state.peak_bytes - measure(Checkpointed(False), x).peak_bytes > stash
+    assert with_state.peak_bytes == measure(Checkpointed(True), x, method="profiler").peak_bytes

@@ -121,6 +121,36 @@ def test_a_region_copies_the_buffers_it_writes_for_its_recomputation():
     )
 
 
+def test_a_checkpoint_stashes_its_rng_state_until_its_backward_ends():
+    # Rule 12: 4 B stashed as the region's forward starts and held to its backward's end, and
+    # one more copy (fork_rng's) while it recomputes: the same lifetimes as the buffer copies.
+    sim = run([Region(0, 2)], replace(flagged_chain(), region_state_bytes=4))
+    assert sim.timeline == run([Region(0, 2)], flagged_chain(state_bytes=(0, 4, 0))).timeline
+    assert run(
+        [Region(0, 2, kind="offload")], replace(chain(), region_state_bytes=4)
+    ).peak_bytes == (run([Region(0, 2, kind="offload")]).peak_bytes)  # no checkpoint call, no stash
+
+
+def test_nested_checkpoints_stash_again_when_their_parent_recomputes():
+    sim = run([Region(0, 3, depth=0), Region(0, 2, depth=1)], chain(region_state_bytes=4))
+    # The first forward stashes both (8 B, each to its own backward's end); the outer region's
+    # recomputation adds its fork_rng copy and the inner call's new stash, both gone when it
+    # ends; the inner region's recomputation adds its own fork_rng copy.
+    assert sim.timeline == (
+        ("fwd:n0", 18),
+        ("fwd:n1", 38),
+        ("fwd:n2", 58),
+        ("recompute:n0", 26),
+        ("recompute:n1", 46),
+        ("recompute:n2", 66),
+        ("bwd:n2", 48),
+        ("recompute:n0", 42),
+        ("recompute:n1", 62),
+        ("bwd:n1", 48),
+        ("bwd:n0", 18),
+    )
+
+
 def test_nested_regions():
     sim = run([Region(0, 3, depth=0), Region(0, 2, depth=1)])
     # Nothing survives the forward; backward recomputes the outer region (keeping the inner

@@ -58,6 +58,46 @@ def test_dp_is_optimal_over_span_only_schedules(seed, n, dag):
         assert got.gap == 0.0
 
 
+def _span_only_offload(graph):
+    """Brute force over span-only schedules, offload regions (top level) included."""
+    spans = graph.region_spans
+    scored = score_all(dataclasses.replace(graph, region_spans=None), offload=True)
+    entries = tuple(e for e in scored.entries if all((r.start, r.stop) in spans for r in e[2]))
+    return dataclasses.replace(scored, entries=entries)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 4),
+    dag=st.booleans(),
+    link=st.sampled_from((1e8, 1e10)),
+    overlap=st.sampled_from((0.0, 1.0)),
+)
+def test_dp_with_offload_is_optimal_over_span_only_schedules(seed, n, dag, link, overlap):
+    """Offload regions on module spans (the in-place form runs them): dp's least budget and
+    the time it adds to the step are brute force's at every budget."""
+    rng = random.Random(seed)
+    graph = _with_spans((random_dag if dag else random_chain)(rng, n), rng)
+    graph = dataclasses.replace(graph, offload_bytes_per_s=link, offload_overlap=overlap)
+    scored = _span_only_offload(graph)
+    eager = simulate(graph, Schedule()).peak_bytes
+    for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager):
+        want = scored.best(budget)
+        try:
+            got = solve_dp(graph, budget, selective=False, offload=True)
+        except InfeasibleBudgetError as e:
+            assert want is None, f"dp found nothing, brute force found {want[1].regions}"
+            assert e.min_bytes == scored.least_bytes
+            continue
+        assert want is not None, got.regions
+        assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
+        sim = simulate(graph, got)
+        assert sim.peak_bytes <= budget
+        added_s = sim.step_time_s - graph.step_time_s
+        assert added_s == pytest.approx(want[0], abs=1e-9), (got.regions, want[1])
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 6))
 def test_dp_selective_regions_and_ilp_keep_to_spans(seed, n):

@@ -1,0 +1,68 @@
+"""Offload as a solver choice (simulate's Rule 7): taken where the device has a host link and
+the transfer hides behind the region's compute better than recomputing it, never on a CPU.
+
+- A reduced Llama-7B shape (4 layers, 32k tokens, flash attention, meta device, FSDP2 on 8
+  ranks) on the H100 profile, budget halfway between checkpointing every layer and nothing:
+  auto offloads the attention modules, the step is faster than with them recomputed, and
+  ``summary()`` says why (transfer time < recompute time).
+- GPT-ref on the CPU profile (host memory is the device's): never offloaded, whatever the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import planner
+from benchmarks.models import GPTConfig, gpt_example
+from benchmarks.plan_7b import LlamaConfig, llama_example
+from planner.devices import device_profile
+from planner.fsdp import FSDPConfig
+from planner.inplace import build_inplace_plan, price_inplace
+from planner.report import format_bytes, format_ms
+from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.registry import get_solver
+from planner.solvers.simulate import simulate
+
+LAYERS, SEQ = 4, 32768
+
+
+def _llama_plan():
+    cfg = LlamaConfig(n_layer=LAYERS, seq_len=SEQ, attention="sdpa")
+    model, example = llama_example(cfg)
+    eg = price_inplace(model, example, device=device_profile("h100"), fsdp=FSDPConfig(8))
+    layers = tuple(Region(*eg.module_spans[f"layers.{i}"]) for i in range(LAYERS))
+    every = simulate(eg.graph, Schedule(layers)).peak_bytes
+    budget = round((every + simulate(eg.graph, Schedule()).peak_bytes) / 2)
+    return eg, build_inplace_plan(model, eg, get_solver("auto")(eg.graph, budget), budget)
+
+
+def test_llama_7b_shape_at_32k_offloads_its_attention_on_h100():
+    eg, p = _llama_plan()
+    assert eg.graph.host_link and eg.graph.region_state_bytes == 0  # meta: an accelerator's
+    offloaded = {r.name for r in p.regions if r.kind == "offload"}
+    assert offloaded == {f"layers.{i}.self_attn" for i in range(LAYERS)}
+    assert p.predicted_peak_bytes <= p.budget_bytes
+    sim = p.simulation
+    assert sim.offload_bytes > 0
+    # Cheaper than recomputing them: the same plan with those regions recomputed instead.
+    recomputed = Schedule(tuple(replace(r, kind="recompute") for r in p.schedule.regions))
+    assert sim.step_time_s < simulate(eg.graph, recomputed).step_time_s
+    text = p.summary()
+    sent = dict(sim.offloaded)
+    for region in p.schedule.regions:
+        if region.kind == "offload":
+            name = eg.spans[(region.start, region.stop)]
+            assert f"{name} offloaded {format_bytes(sent[region])} to host: transfer " in text
+    assert "< recompute" in text and format_ms(sim.offload_time_s) in text
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.7])
+def test_gpt_ref_on_the_cpu_profile_is_never_offloaded(fraction):
+    model, x = gpt_example(GPTConfig(n_layer=2, d_model=64, n_head=2, seq_len=64, vocab_size=64))
+    eager = planner.plan(model, x, 1e3, solver="none", device="cpu").baseline_peak_bytes
+    p = planner.plan(model, x, fraction * eager / 1e9, device="cpu")
+    assert not p.graph.host_link
+    assert p.regions and not any(r.kind == "offload" for r in p.regions)
+    assert p.simulation.offload_bytes == 0 and "to host" not in p.summary()
