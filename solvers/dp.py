@@ -348,6 +348,15 @@ class _Programme:
         for i, saves in enumerate(p.rule5_saves or ()):
             self.last_save[i + 1] = i if saves else self.last_save[i]
         self._bwd_max: dict[tuple[int, int], int] = {}
+        # Per node, for :meth:`run`: the storages whose last reader or saver it is, the bytes it
+        # allocates, and those of them it saves.
+        self.dies_at: list[list[int]] = [[] for _ in range(p.n)]
+        for t, last in enumerate(self.last_use):
+            self.dies_at[last].append(t)
+        self.own_bytes = [sum(p.size[t] for t in own) for own in p.produced]
+        self.own_saved_bytes = [
+            sum(p.size[t] for t in own if t in p.saves[i]) for i, own in enumerate(p.produced)
+        ]
 
     # -- static pieces ---------------------------------------------------------------------
     def last_need(self, t: int, b: int, root: bool) -> int:
@@ -603,6 +612,64 @@ class _Programme:
                 nxt.append((t, t in saves))
         return max(fwd, bwd), kept_bytes, tuple(sorted(nxt))
 
+    def run(
+        self, c: int, stop: int, b: int, crossing: tuple, root: bool, last_save: int
+    ) -> tuple[int, int, tuple, int | None]:
+        """Nodes [c, stop) unchecked, one :meth:`step` after another: (bytes their events need,
+        bytes they leave kept, crossing after, and when ``last_save`` lies among them the
+        bytes a recomputation stopping after it needs (Rule 5), else None).
+
+        The same sums as repeated :meth:`step` calls, kept as running totals and updated only
+        for the storages a node allocates, saves or last needs, so a node costs its own
+        storages rather than the whole crossing (a scan keeps hundreds alive)."""
+        p = self.p
+        cross = dict(crossing)
+        cross_bytes = sum(p.size[t] for t in cross)
+        held_bytes = sum(p.size[t] for t, kept in crossing if kept is True)
+        need, kept_bytes, stopped = 0, 0, None
+        for i in range(c, stop):
+            saves = p.saves[i]
+            if i == last_save:
+                here = tuple(sorted(cross.items()))
+                more, kept_more, after = self.step(i, b, here, root, partial=True)
+                kept_more += sum(p.size[t] for t, kept in after if kept is True)
+                tail = kept_bytes + kept_more + self.bwd_max(i + 1, b)
+                stopped = max(need, kept_bytes + more, tail)
+            fwd = cross_bytes + self.own_bytes[i] + p.fwd_temp[i]
+            fwd += p.held_fwd[i] if root else 0
+            bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
+            bwd += held_bytes + self.own_saved_bytes[i]
+            for t in saves:
+                kept = cross.get(t)
+                if kept is None or kept is True:
+                    continue
+                bwd += p.size[t]  # read here, and saved by this node
+                if kept is False:
+                    cross[t] = True
+                    held_bytes += p.size[t]
+            need = max(need, kept_bytes + max(fwd, bwd))
+            if i == b - 1 and not root:  # the context's end: nothing crosses it
+                kept_bytes += held_bytes + self.own_saved_bytes[i]
+                cross, cross_bytes, held_bytes = {}, 0, 0
+                continue
+            for t in self.dies_at[i]:
+                kept = cross.get(t)
+                if kept is None or kept == ARG or (root and p.is_output[t]):
+                    continue
+                del cross[t]
+                cross_bytes -= p.size[t]
+                if kept:
+                    kept_bytes += p.size[t]
+                    held_bytes -= p.size[t]
+            for t in p.produced[i]:
+                if self.last_need(t, b, root) == i:
+                    kept_bytes += p.size[t] if t in saves else 0
+                else:
+                    cross[t] = t in saves
+                    cross_bytes += p.size[t]
+                    held_bytes += p.size[t] if t in saves else 0
+        return need, kept_bytes, tuple(sorted(cross.items())), stopped
+
     def value(
         self, c: int, b: int, crossing: tuple, root: bool, whole_ok: bool, depth: int
     ) -> np.ndarray:
@@ -626,22 +693,13 @@ class _Programme:
         last_save = self.last_save[b] if stopping else b
         # Nodes up to the next boundary run unchecked in this context.
         stop = min(self.next_bound[c], b)
-        need, kept_bytes, nxt = 0, 0, crossing
-        for i in range(c, stop):
-            if i == last_save:
-                # See simulate's Rule 5: the recomputation stops after this node's last save;
-                # the nodes after it save nothing and do not run again, only their backward.
-                more, kept_more, after = self.step(i, b, nxt, root, partial=True)
-                kept_more += sum(p.size[t] for t, kept in after if kept is True)
-                tail = kept_bytes + kept_more + self.bwd_max(i + 1, b)
-                stopped = max(need, kept_bytes + more, tail)
-                if stopped < size:
-                    options.append(("stop",))
-                    choice[stopped:] = len(options) - 1
-                    best[stopped:] = run_s(i + 1) - run_s(c)
-            more, kept_more, nxt = self.step(i, b, nxt, root)
-            need = max(need, kept_bytes + more)
-            kept_bytes += kept_more
+        need, kept_bytes, nxt, stopped = self.run(c, stop, b, crossing, root, last_save)
+        if stopped is not None and stopped < size:
+            # See simulate's Rule 5: the recomputation stops after node last_save's last save;
+            # the nodes after it save nothing and do not run again, only their backward.
+            options.append(("stop",))
+            choice[stopped:] = len(options) - 1
+            best[stopped:] = run_s(last_save + 1) - run_s(c)
         if last_save < c:  # nothing left saves: the recomputation stopped before c
             stopped = sum(p.size[t] for t, kept in crossing if kept is True) + self.bwd_max(c, b)
             if stopped < size:
