@@ -104,6 +104,12 @@ DEFAULT_COARSE_SPAN = 8
 # Graphs with more region boundaries than this are coarsened into stages first: the work grows
 # with boundaries times span cubed, and past a few hundred it no longer fits a time limit.
 DEFAULT_MAX_BOUNDS = 384
+# dp solves a graph with more region boundaries than this coarse to fine, from this many
+# stages up (doubling): an answer early, then better ones while time lasts.
+FIRST_STAGES = 48
+# On a graph coarsened even at the finest level, refining stops once a level improves the
+# predicted step time by less than this fraction.
+REFINE_GAIN = 0.005
 
 
 @dataclass(frozen=True)
@@ -354,6 +360,14 @@ class _Programme:
         for t, last in enumerate(self.last_use):
             self.dies_at[last].append(t)
         self.own_bytes = [sum(p.size[t] for t in own) for own in p.produced]
+        # The storages nodes allocate, in node order, for :meth:`fwd_peaks`.
+        order = [t for own in p.produced for t in own]
+        self._t_producer = np.array([p.producer[t] for t in order], np.int64)
+        self._t_size = np.array([p.size[t] for t in order], np.int64)
+        self._t_last_use = np.array([self.last_use[t] for t in order], np.int64)
+        self._t_output = np.array([p.is_output[t] for t in order], bool)
+        self._fwd_temp = np.array(p.fwd_temp, np.int64)
+        self._held_fwd = np.array(p.held_fwd, np.int64)
         self.own_saved_bytes = [
             sum(p.size[t] for t in own if t in p.saves[i]) for i, own in enumerate(p.produced)
         ]
@@ -408,22 +422,22 @@ class _Programme:
 
     def fwd_peaks(self, c: int, b: int, root: bool, upto: int) -> list[int]:
         """Running max over i in [c, upto) of the bytes produced from c on and alive at i's
-        forward (plus i's working set), with the context ending at ``b``."""
+        forward (plus i's working set), with the context ending at ``b``: a storage is alive
+        from its producer to its last need (:meth:`last_need`), summed as a difference array."""
         key = (c, b, root, upto)
         got = self._wmax.get(key)
         if got is None:
-            p = self.p
-            ends: dict[int, int] = {}
-            alive, best, got = 0, 0, []
-            for i in range(c, upto):
-                for t in p.produced[i]:
-                    alive += p.size[t]
-                    end = self.last_need(t, b, root)
-                    ends[end] = ends.get(end, 0) + p.size[t]
-                best = max(best, alive + p.fwd_temp[i] + (p.held_fwd[i] if root else 0))
-                got.append(best)
-                alive -= ends.pop(i, 0)
-            self._wmax[key] = got
+            lo, hi = np.searchsorted(self._t_producer, (c, upto))
+            size, last = self._t_size[lo:hi], np.minimum(self._t_last_use[lo:hi], b - 1)
+            if root:  # an output lives until backward starts
+                last = np.where(self._t_output[lo:hi], self.p.n, last)
+            diff = np.zeros(upto - c + 1, np.int64)
+            np.add.at(diff, self._t_producer[lo:hi] - c, size)
+            np.add.at(diff, np.minimum(last + 1, upto) - c, -size)
+            alive = np.cumsum(diff[:-1]) + self._fwd_temp[c:upto]
+            if root:
+                alive += self._held_fwd[c:upto]
+            got = self._wmax[key] = np.maximum.accumulate(alive).tolist()
         return got
 
     def selective_option(self, c, j, b, crossing, best, choice, options, keep):
@@ -1016,10 +1030,21 @@ def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
     return every, note + depth
 
 
-def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, deadline: float):
+class _NoFit(Exception):
+    """Nothing in the space searched fits the budget (the least it reaches was not sought)."""
+
+
+def _solve_within(
+    graph: CostGraph,
+    budget_bytes: float,
+    options: DPOptions,
+    deadline: float,
+    eager: int,
+    least_memory: bool = True,
+):
     """(regions, note, gap) of the least recompute time within budget over ``options``'
-    space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
-    eager = simulate(graph, Schedule()).peak_bytes
+    space; OutOfTime past ``deadline``. When nothing fits: InfeasibleBudgetError with the
+    space's least peak, or _NoFit without seeking it (``least_memory`` False)."""
     every, note = _space(graph, options)
     # Optimal for simulate only where its prices are simulate's (see the module docstring).
     every = every and not any(nd.state_bytes for nd in graph.nodes)
@@ -1034,12 +1059,30 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
             note += f", bytes rounded up to {solved.unit_bytes}"
         exact = every and solved.unit_bytes == 1
         return schedule.regions, note, 0.0 if exact else None
+    if not least_memory:
+        raise _NoFit
     opts = replace(options, selective=False)
     least, schedule = least_memory_schedule(graph, opts, deadline)
     if least > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
     exact = every and eager <= options.grid and least == budget_bytes
     return schedule.regions, note + ", least-memory schedule", 0.0 if exact else None
+
+
+def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
+    """The stage counts (``max_bounds``) dp solves in turn, coarse to fine: FIRST_STAGES,
+    doubling, then ``options.max_bounds``; one level when the graph has no more boundaries than
+    the first (or regions follow module spans, which are never staged)."""
+    top = options.max_bounds
+    if graph.region_spans is not None:
+        return [top]
+    n_bounds = len(region_bounds(graph))
+    levels: list[int | None] = []
+    count = FIRST_STAGES
+    while count < n_bounds and (top is None or count < top):
+        levels.append(count)
+        count *= 2
+    return [*levels, top]
 
 
 @register("dp", options=DPOptions)
@@ -1051,9 +1094,14 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     schedule, whatever the budget) answers if it fits, and its peak is the least budget the
     error states. So every budget above a stated least is planned.
 
-    Bounded by ``options.time_limit_s``: a programme cut short answers nothing, so dp then
-    searches a smaller space (no selective regions, no nesting) in the time left, and past
-    that answers with ``greedy``'s schedule; the note says which.
+    Anytime within ``options.time_limit_s``: on a graph with more region boundaries than
+    FIRST_STAGES it solves coarse to fine (:func:`stage_levels`), each level a whole
+    programme over a space that contains the previous one's, and keeps the best schedule found
+    (the note names the space that schedule was solved over, and what the time limit cut
+    short). On a graph coarsened even at its finest level (more boundaries than
+    ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
+    A programme cut short answers nothing: with no level done, dp answers with ``greedy``'s
+    schedule; the note says so.
     """
     start = time.perf_counter()
     deadline = start + options.time_limit_s
@@ -1061,22 +1109,38 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
     limit = time_limit_text(options)
-    try:  # the whole space gets 60% of the time, a smaller one 20%, the fallback the rest
-        regions, note, gap = _solve_within(
-            graph, budget_bytes, options, start + 0.6 * options.time_limit_s
-        )
-        return finish(graph, budget_bytes, regions, "dp", note, gap=gap)
-    except OutOfTime:
-        pass
-    smaller = replace(options, selective=False, max_depth=1)
-    try:
-        regions, note, _ = _solve_within(
-            graph, budget_bytes, smaller, start + 0.8 * options.time_limit_s
-        )
-        note = f"cut short at the {limit}: searched {note} only"
-        return finish(graph, budget_bytes, regions, "dp", note)
-    except OutOfTime:
-        pass
+    levels = stage_levels(graph, options)
+    top = options.max_bounds
+    staged = top is not None and graph.region_spans is None and len(region_bounds(graph)) > top
+    best: tuple[float, tuple[Region, ...], str, float | None] | None = None
+    stopped = ""
+    for k, count in enumerate(levels):
+        last = k == len(levels) - 1
+        try:  # the search gets 80% of the time, the fallback the rest
+            regions, note, gap = _solve_within(
+                graph,
+                budget_bytes,
+                replace(options, max_bounds=count),
+                start + 0.8 * options.time_limit_s,
+                eager,
+                least_memory=last and best is None,
+            )
+        except OutOfTime:
+            stopped = f"; refining to {count} stages cut short at the {limit}"
+            break
+        except _NoFit:
+            continue
+        step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
+        if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
+            if step_s < best[0]:
+                best = (step_s, tuple(regions), note, gap)
+            stopped = f"; refining stopped at {count} stages (less than {REFINE_GAIN:.1%} gained)"
+            break
+        if best is None or step_s < best[0]:
+            best = (step_s, tuple(regions), note, gap)
+    if best is not None:
+        _, regions, note, gap = best
+        return finish(graph, budget_bytes, regions, "dp", note + stopped, gap=gap)
     # Out of time: greedy (cheap, anytime), else revolve, whose deep nesting reaches the least
     # memory of the fixed policies.
     found, least = None, None
