@@ -169,25 +169,6 @@ def price_inplace(
     return eg if fsdp is None else per_rank(model, eg, fsdp)
 
 
-def plan_inplace(
-    model: torch.nn.Module,
-    example_input: Any,
-    budget_bytes: int,
-    solver: str = "auto",
-    loss_fn: LossFn | None = None,
-    *,
-    device: DeviceProfile | None = None,
-    fsdp: FSDPConfig | None = None,
-    **solver_opts: Any,
-) -> InplacePlan:
-    """Price ``model``'s eager step (:func:`price_inplace`), solve over its module calls, and
-    return the plan."""
-    check_span_solver(solver)
-    eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
-    schedule = get_solver(solver)(eg.graph, budget_bytes, **solver_opts)
-    return build_inplace_plan(model, eg, schedule, budget_bytes)
-
-
 def build_inplace_plan(
     model: torch.nn.Module, eg: EagerGraph, schedule: Schedule, budget_bytes: int
 ) -> InplacePlan:
@@ -216,16 +197,25 @@ def build_inplace_plan(
             )
         )
     return InplacePlan(
-        solver=schedule.solver,
         regions=tuple(regions),
         module_regions=tuple(module_regions),
+        model_class=type(model).__name__,
+        module_tree=module_tree(model),
+        **predictions(graph, schedule, simulation, budget_bytes),
+    )
+
+
+def predictions(
+    graph: CostGraph, schedule: Schedule, simulation: Simulation, budget_bytes: int
+) -> dict[str, Any]:
+    """The fields a plan of either form (Plan, InplacePlan) takes from its solve."""
+    return dict(
+        solver=schedule.solver,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=simulation.peak_bytes,
         baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
         predicted_recompute_flops=simulation.recompute_flops,
         step_flops=graph.step_flops,
-        model_class=type(model).__name__,
-        module_tree=module_tree(model),
         graph=graph,
         schedule=schedule,
         simulation=simulation,
