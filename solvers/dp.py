@@ -56,11 +56,15 @@ On a module-granular graph (``CostGraph.region_spans``, for plans applied in pla
 exactly the spans, nested as the module tree allows, and selective regions are offered on every
 span at the top level; the space is then every laminar family of spans.
 
-Graphs with more than ``DPOptions.max_bounds`` region boundaries are first coarsened into
-stages (:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the
-note says so. The programme assumes every tensor a node saves is one it reads or produces (true
-of autograd). :func:`solve_dp` replays its answer through ``simulate`` and is bounded by
-``DPOptions.time_limit_s``.
+Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
+(:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the note says
+so. :func:`solve_dp` is anytime: on a graph with more than FIRST_STAGES boundaries it solves
+coarse to fine (FIRST_STAGES stages, doubling, up to ``max_bounds``: :func:`stage_levels`),
+keeps the best schedule any level found, and answers with it when the time limit
+(``DPOptions.time_limit_s``) cuts the next level short; the note names the space of the level
+that answered and what was cut short. The programme assumes every tensor a node saves is one
+it reads or produces (true of autograd). :func:`solve_dp` replays its answer through
+``simulate``.
 """
 
 from __future__ import annotations
