@@ -33,13 +33,11 @@ from planner.solvers.selective import SelectiveOptions
 from planner.solvers.simulate import simulate
 
 ILP_MAX_NODES = 60
-# The whole solve's default time: capture and pricing already take seconds on large graphs, and
-# a plan should come back within about half a minute (issue 13: Mamba at length 128).
+# The whole solve's default time (plan()'s solve step): capture and pricing already take
+# seconds on long graphs, and a plan should come back within about half a minute.
 AUTO_TIME_LIMIT_S = 10.0
-# Most of the time limit greedy may take (it is anytime: its thresholds are tried in turn), and
-# the share of what is left that dp leaves to ilp.
-GREEDY_SHARE = 0.25
-ILP_SHARE = 0.2
+GREEDY_SHARE = 0.25  # most of the time limit greedy (anytime: thresholds in turn) may take
+ILP_SHARE = 0.2  # of what is left when dp starts, the share dp leaves to ilp
 
 
 @dataclass(frozen=True)
