@@ -79,10 +79,13 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
         if name == "dp" and "ilp" in names:
             left_s *= 1 - ILP_SHARE
         own = replace(own, time_limit_s=max(0.0, min(own.time_limit_s, left_s)))
+        started = time.perf_counter()
         try:
             schedule = get_solver(name)(graph, budget_bytes, own)
         except InfeasibleBudgetError as e:
             least = e.min_bytes if least is None else min(least, e.min_bytes)
+            if time.perf_counter() - started >= own.time_limit_s:
+                cut_short.append(f"{name}: nothing within budget in its {time_limit_text(own)}")
             continue
         if schedule.solver != name or time_limit_text(own) in schedule.note:
             cut_short.append(f"{name}: {schedule.note}")
