@@ -58,7 +58,7 @@ span at the top level; the space is then every laminar family of spans.
 
 Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
 (:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the note says
-so. :func:`solve_dp` is anytime: on a graph with more than FIRST_STAGES boundaries it solves
+so. :func:`solve_dp` is anytime: on a graph with twice FIRST_STAGES boundaries or more it solves
 coarse to fine (FIRST_STAGES stages, doubling, up to ``max_bounds``: :func:`stage_levels`),
 keeps the best schedule any level found, and answers with it when the time limit
 (``DPOptions.time_limit_s``) cuts the next level short; the note names the space of the level
@@ -1075,15 +1075,16 @@ def _solve_within(
 
 def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
     """The stage counts (``max_bounds``) dp solves in turn, coarse to fine: FIRST_STAGES,
-    doubling, then ``options.max_bounds``; one level when the graph has no more boundaries than
-    the first (or regions follow module spans, which are never staged)."""
+    doubling while a level keeps at most half the graph's boundaries (a coarser level saves
+    little time then), then ``options.max_bounds``; one level on a graph with fewer than twice
+    FIRST_STAGES boundaries (or whose regions follow module spans, which are never staged)."""
     top = options.max_bounds
     if graph.region_spans is not None:
         return [top]
     n_bounds = len(region_bounds(graph))
     levels: list[int | None] = []
     count = FIRST_STAGES
-    while count < n_bounds and (top is None or count < top):
+    while 2 * count <= n_bounds and (top is None or count < top):
         levels.append(count)
         count *= 2
     return [*levels, top]
@@ -1098,8 +1099,8 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     schedule, whatever the budget) answers if it fits, and its peak is the least budget the
     error states. So every budget above a stated least is planned.
 
-    Anytime within ``options.time_limit_s``: on a graph with more region boundaries than
-    FIRST_STAGES it solves coarse to fine (:func:`stage_levels`), each level a whole
+    Anytime within ``options.time_limit_s``: on a graph with at least twice FIRST_STAGES
+    region boundaries it solves coarse to fine (:func:`stage_levels`), each level a whole
     programme over a space that contains the previous one's, and keeps the best schedule found
     (the note names the space that schedule was solved over, and what the time limit cut
     short). On a graph coarsened even at its finest level (more boundaries than
