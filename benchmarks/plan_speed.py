@@ -2,8 +2,9 @@
 
 The model: Hugging Face Mamba from a tiny config (hidden 32, 2 layers, no download) at sequence
 length 128, whose slow selective scan unrolls over the sequence into ~2,800 graph nodes; planned
-with ``auto`` at 70% of its measured eager peak, then ``planner.measure`` of ``p.module``
-against the budget. Target: the whole ``plan()`` within 30 s, measured peak within budget.
+with ``auto`` (its default time limit, ``solvers/auto.py`` AUTO_TIME_LIMIT_S) at 70% of its
+measured eager peak, then ``planner.measure`` of ``p.module`` against the budget. Target: the
+whole ``plan()`` within 30 s, measured peak within budget.
 
 Each phase is timed through the pipeline's own progress callback (``planning.price`` and
 ``PricedModel.plan``, which is all ``planner.plan`` runs), as wall time and as this process's

@@ -32,23 +32,19 @@ if TYPE_CHECKING:
     from planner.passes.rewrite import NamedRegion as Region
     from planner.planning import Plan, apply_plan, plan
 
-# public name -> (module that defines it, its name there)
-_LAZY = {
-    "BatchFit": ("planner.batch_search", "BatchFit"),
-    "DeviceProfile": ("planner.devices", "DeviceProfile"),
-    "fit_batch": ("planner.batch_search", "fit_batch"),
-    "FSDPConfig": ("planner.fsdp", "FSDPConfig"),
-    "Comparison": ("planner.comparison", "Comparison"),
-    "compare": ("planner.comparison", "compare"),
-    "Measurement": ("planner.measurement", "Measurement"),
-    "measure": ("planner.measurement", "measure"),
-    "Region": ("planner.passes.rewrite", "NamedRegion"),
-    "Plan": ("planner.planning", "Plan"),
-    "plan": ("planner.planning", "plan"),
-    "apply_plan": ("planner.planning", "apply_plan"),
-    "remove": ("planner.inplace", "remove"),
-    "InplacePlan": ("planner.inplace", "InplacePlan"),
+# module -> the public names it defines, loaded on first use
+_PUBLIC = {
+    "planner.batch_search": ("BatchFit", "fit_batch"),
+    "planner.comparison": ("Comparison", "compare"),
+    "planner.devices": ("DeviceProfile",),
+    "planner.fsdp": ("FSDPConfig",),
+    "planner.inplace": ("InplacePlan", "remove"),
+    "planner.measurement": ("Measurement", "measure"),
+    "planner.planning": ("Plan", "apply_plan", "plan"),
 }
+# public name -> (module that defines it, its name there)
+_LAZY = {name: (module, name) for module, names in _PUBLIC.items() for name in names}
+_LAZY["Region"] = ("planner.passes.rewrite", "NamedRegion")
 
 
 def __getattr__(name: str) -> Any:

@@ -22,10 +22,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +43,9 @@ from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
 from planner.passes.step import LossFn
 from planner.plan_file import FORMAT, VERSION, _checksum, read_plan_body
-from planner.solvers.costgraph import CostGraph, Objective, Schedule
+from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
-from planner.solvers.registry import get_solver, solve
+from planner.solvers.registry import get_solver
 from planner.solvers.simulate import Simulation, simulate
 
 FORM = "inplace"
@@ -173,30 +172,13 @@ def price_inplace(
     return eg if fsdp is None else per_rank(model, eg, fsdp)
 
 
-def plan_inplace(
-    model: torch.nn.Module,
-    example_input: Any,
-    budget_bytes: int,
-    solver: str = "auto",
-    loss_fn: LossFn | None = None,
-    *,
-    device: DeviceProfile | None = None,
-    fsdp: FSDPConfig | None = None,
-    objective: Objective = "time",
-    **solver_opts: Any,
-) -> InplacePlan:
-    """Price ``model``'s eager step (:func:`price_inplace`), solve over its module calls for
-    the least ``objective`` (see ``graph_for_objective``), and return the plan."""
-    check_span_solver(solver)
-    eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
-    start_s = time.perf_counter()
-    schedule = solve(eg.graph, budget_bytes, solver, objective, **solver_opts)
-    solve_time_s = time.perf_counter() - start_s
-    return replace(build_inplace_plan(model, eg, schedule, budget_bytes), solve_time_s=solve_time_s)
-
-
 def build_inplace_plan(
-    model: torch.nn.Module, eg: EagerGraph, schedule: Schedule, budget_bytes: int
+    model: torch.nn.Module,
+    eg: EagerGraph,
+    schedule: Schedule,
+    budget_bytes: int,
+    *,
+    solve_time_s: float = 0.0,
 ) -> InplacePlan:
     graph = eg.graph
     simulation = simulate(graph, schedule)  # validates: regions are module spans
@@ -223,16 +205,26 @@ def build_inplace_plan(
             )
         )
     return InplacePlan(
-        solver=schedule.solver,
         regions=tuple(regions),
         module_regions=tuple(module_regions),
+        model_class=type(model).__name__,
+        module_tree=module_tree(model),
+        solve_time_s=solve_time_s,
+        **predictions(graph, schedule, simulation, budget_bytes),
+    )
+
+
+def predictions(
+    graph: CostGraph, schedule: Schedule, simulation: Simulation, budget_bytes: int
+) -> dict[str, Any]:
+    """The fields a plan of either form (Plan, InplacePlan) takes from its solve."""
+    return dict(
+        solver=schedule.solver,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=simulation.peak_bytes,
         baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
         predicted_recompute_flops=simulation.recompute_flops,
         step_flops=graph.step_flops,
-        model_class=type(model).__name__,
-        module_tree=module_tree(model),
         graph=graph,
         schedule=schedule,
         simulation=simulation,

@@ -28,7 +28,14 @@ import torch
 
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
-from planner.inplace import InplacePlan, apply_plan_file, plan_inplace
+from planner.inplace import (
+    InplacePlan,
+    apply_plan_file,
+    build_inplace_plan,
+    check_span_solver,
+    predictions,
+    price_inplace,
+)
 from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
@@ -284,17 +291,12 @@ def plan(
         )
     if form == "inplace":
         check_trainable(model)
-        return plan_inplace(
-            model,
-            example_input,
-            budget_bytes,
-            solver,
-            loss_fn,
-            device=device,
-            fsdp=fsdp,
-            objective=objective,
-            **solver_opts,
-        )
+        check_span_solver(solver)
+        eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
+        start_s = time.perf_counter()
+        schedule = solve(eg.graph, budget_bytes, solver, objective, **solver_opts)
+        solve_time_s = time.perf_counter() - start_s
+        return build_inplace_plan(model, eg, schedule, budget_bytes, solve_time_s=solve_time_s)
     priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(budget_bytes, solver, objective=objective, **solver_opts)
 
@@ -371,16 +373,8 @@ def build_plan(
     regions = named_regions(gm, graph, schedule) if regions is None else regions
     return Plan(
         module=rewrite(gm, regions),
-        solver=schedule.solver,
         regions=tuple(regions),
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=simulation.peak_bytes,
-        baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
-        predicted_recompute_flops=simulation.recompute_flops,
-        step_flops=graph.step_flops,
         fingerprint=graph_fingerprint(gm),
-        graph=graph,
-        schedule=schedule,
-        simulation=simulation,
         solve_time_s=solve_time_s,
+        **predictions(graph, schedule, simulation, budget_bytes),
     )

@@ -8,9 +8,11 @@ time each of the others adds to the step, and what the time limit cut short. On
 module-granular graphs (``CostGraph.region_spans``: plans applied in place) only the solvers
 that keep to the spans run: none, dp, ilp.
 
-Options: ``time_limit_s`` bounds the whole call and is shared by the solvers in the order they
-run (the cheap ones first); each solver's own options go in the field named after it, as its
-options dataclass or a mapping of its keywords:
+Options: ``time_limit_s`` (default AUTO_TIME_LIMIT_S: the solve step of ``planner.plan``)
+bounds the whole call and is shared by the solvers in the order they run, the cheap ones
+first: ``greedy`` (anytime) gets at most GREEDY_SHARE of it, ``dp`` (anytime: coarse to fine,
+the best level done) what is left but ILP_SHARE when ``ilp`` runs after it. Each solver's own
+options go in the field named after it, as its options dataclass or a mapping of its keywords:
 ``solve_auto(graph, budget, time_limit_s=30, dp={"max_span": 4})``, or through
 ``planner.plan(model, x, 1.5, time_limit_s=30, dp={"max_span": 4})``.
 """
@@ -31,6 +33,11 @@ from planner.solvers.selective import SelectiveOptions
 from planner.solvers.simulate import simulate
 
 ILP_MAX_NODES = 60
+# The whole solve's default time (plan()'s solve step): capture and pricing already take
+# seconds on long graphs, and a plan should come back within about half a minute.
+AUTO_TIME_LIMIT_S = 10.0
+GREEDY_SHARE = 0.25  # most of the time limit greedy (anytime: thresholds in turn) may take
+ILP_SHARE = 0.2  # of what is left when dp starts, the share dp leaves to ilp
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class AutoOptions(SolverOptions):
     """``time_limit_s`` for the whole call; one field per solver auto runs, with its options
     (their own time limits are capped by what is left when they start)."""
 
+    time_limit_s: float = AUTO_TIME_LIMIT_S
     none: SolverOptions = SolverOptions()
     selective: SelectiveOptions = SelectiveOptions()
     uniform: UniformOptions = UniformOptions()
@@ -66,14 +74,19 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
             cut_short += [f"{n} not run" for n in names[k:]]
             break
         own: SolverOptions = getattr(options, name)
+        if name == "greedy":
+            left_s = min(left_s, GREEDY_SHARE * options.time_limit_s)
         if name == "dp" and "ilp" in names:
-            left_s *= 0.8  # leave ilp a share
+            left_s *= 1 - ILP_SHARE
         own = replace(own, time_limit_s=max(0.0, min(own.time_limit_s, left_s)))
+        started = time.perf_counter()
         try:
             schedule = get_solver(name)(graph, budget_bytes, own)
         except InfeasibleBudgetError as e:
             if e.min_bytes is not None:  # None: cut short before it knew
                 least = e.min_bytes if least is None else min(least, e.min_bytes)
+            if time.perf_counter() - started >= own.time_limit_s:
+                cut_short.append(f"{name}: nothing within budget in its {time_limit_text(own)}")
             continue
         if schedule.solver != name or time_limit_text(own) in schedule.note:
             cut_short.append(f"{name}: {schedule.note}")

@@ -57,11 +57,15 @@ On a module-granular graph (``CostGraph.region_spans``, for plans applied in pla
 exactly the spans, nested as the module tree allows, and selective regions are offered on every
 span at the top level; the space is then every laminar family of spans.
 
-Graphs with more than ``DPOptions.max_bounds`` region boundaries are first coarsened into
-stages (:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the
-note says so. The programme assumes every tensor a node saves is one it reads or produces (true
-of autograd). :func:`solve_dp` replays its answer through ``simulate`` and is bounded by
-``DPOptions.time_limit_s``.
+Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
+(:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the note says
+so. :func:`solve_dp` is anytime: on a graph with twice FIRST_STAGES boundaries or more it solves
+coarse to fine (FIRST_STAGES stages, doubling, up to ``max_bounds``: :func:`stage_levels`),
+keeps the best schedule any level found, and answers with it when the time limit
+(``DPOptions.time_limit_s``) cuts the next level short; the note names the space of the level
+that answered and what was cut short. The programme assumes every tensor a node saves is one
+it reads or produces (true of autograd). :func:`solve_dp` replays its answer through
+``simulate``.
 """
 
 from __future__ import annotations
@@ -105,6 +109,12 @@ DEFAULT_COARSE_SPAN = 8
 # Graphs with more region boundaries than this are coarsened into stages first: the work grows
 # with boundaries times span cubed, and past a few hundred it no longer fits a time limit.
 DEFAULT_MAX_BOUNDS = 384
+# dp solves a graph with more region boundaries than this coarse to fine, from this many
+# stages up (doubling): an answer early, then better ones while time lasts.
+FIRST_STAGES = 48
+# On a graph coarsened even at the finest level, refining stops once a level improves the
+# predicted step time by less than this fraction.
+REFINE_GAIN = 0.005
 
 
 @dataclass(frozen=True)
@@ -356,6 +366,23 @@ class _Programme:
         for i, saves in enumerate(p.rule5_saves or ()):
             self.last_save[i + 1] = i if saves else self.last_save[i]
         self._bwd_max: dict[tuple[int, int], int] = {}
+        # Per node, for :meth:`run`: the storages whose last reader or saver it is, the bytes it
+        # allocates, and those of them it saves.
+        self.dies_at: list[list[int]] = [[] for _ in range(p.n)]
+        for t, last in enumerate(self.last_use):
+            self.dies_at[last].append(t)
+        self.own_bytes = [sum(p.size[t] for t in own) for own in p.produced]
+        # The storages nodes allocate, in node order, for :meth:`fwd_peaks`.
+        order = [t for own in p.produced for t in own]
+        self._t_producer = np.array([p.producer[t] for t in order], np.int64)
+        self._t_size = np.array([p.size[t] for t in order], np.int64)
+        self._t_last_use = np.array([self.last_use[t] for t in order], np.int64)
+        self._t_output = np.array([p.is_output[t] for t in order], bool)
+        self._fwd_temp = np.array(p.fwd_temp, np.int64)
+        self._held_fwd = np.array(p.held_fwd, np.int64)
+        self.own_saved_bytes = [
+            sum(p.size[t] for t in own if t in p.saves[i]) for i, own in enumerate(p.produced)
+        ]
 
     # -- static pieces ---------------------------------------------------------------------
     def last_need(self, t: int, b: int, root: bool) -> int:
@@ -407,22 +434,22 @@ class _Programme:
 
     def fwd_peaks(self, c: int, b: int, root: bool, upto: int) -> list[int]:
         """Running max over i in [c, upto) of the bytes produced from c on and alive at i's
-        forward (plus i's working set), with the context ending at ``b``."""
+        forward (plus i's working set), with the context ending at ``b``: a storage is alive
+        from its producer to its last need (:meth:`last_need`), summed as a difference array."""
         key = (c, b, root, upto)
         got = self._wmax.get(key)
         if got is None:
-            p = self.p
-            ends: dict[int, int] = {}
-            alive, best, got = 0, 0, []
-            for i in range(c, upto):
-                for t in p.produced[i]:
-                    alive += p.size[t]
-                    end = self.last_need(t, b, root)
-                    ends[end] = ends.get(end, 0) + p.size[t]
-                best = max(best, alive + p.fwd_temp[i] + (p.held_fwd[i] if root else p.stash))
-                got.append(best)
-                alive -= ends.pop(i, 0)
-            self._wmax[key] = got
+            lo, hi = np.searchsorted(self._t_producer, (c, upto))
+            size, last = self._t_size[lo:hi], np.minimum(self._t_last_use[lo:hi], b - 1)
+            if root:  # an output lives until backward starts
+                last = np.where(self._t_output[lo:hi], self.p.n, last)
+            diff = np.zeros(upto - c + 1, np.int64)
+            np.add.at(diff, self._t_producer[lo:hi] - c, size)
+            np.add.at(diff, np.minimum(last + 1, upto) - c, -size)
+            alive = np.cumsum(diff[:-1]) + self._fwd_temp[c:upto]
+            # the first forward's held storages; a recomputation's fork_rng copy (Rule 12)
+            alive += self._held_fwd[c:upto] if root else self.p.stash
+            got = self._wmax[key] = np.maximum.accumulate(alive).tolist()
         return got
 
     def selective_option(self, c, j, b, crossing, best, choice, options, keep):
@@ -612,6 +639,64 @@ class _Programme:
                 nxt.append((t, t in saves))
         return max(fwd, bwd), kept_bytes, tuple(sorted(nxt))
 
+    def run(
+        self, c: int, stop: int, b: int, crossing: tuple, root: bool, last_save: int
+    ) -> tuple[int, int, tuple, int | None]:
+        """Nodes [c, stop) unchecked, one :meth:`step` after another: (bytes their events need,
+        bytes they leave kept, crossing after, and when ``last_save`` lies among them the
+        bytes a recomputation stopping after it needs (Rule 5), else None).
+
+        The same sums as repeated :meth:`step` calls, kept as running totals and updated only
+        for the storages a node allocates, saves or last needs, so a node costs its own
+        storages rather than the whole crossing (a scan keeps hundreds alive)."""
+        p = self.p
+        cross = dict(crossing)
+        cross_bytes = sum(p.size[t] for t in cross)
+        held_bytes = sum(p.size[t] for t, kept in crossing if kept is True)
+        need, kept_bytes, stopped = 0, 0, None
+        for i in range(c, stop):
+            saves = p.saves[i]
+            if i == last_save:
+                here = tuple(sorted(cross.items()))
+                more, kept_more, after = self.step(i, b, here, root, partial=True)
+                kept_more += sum(p.size[t] for t, kept in after if kept is True)
+                tail = kept_bytes + kept_more + self.bwd_max(i + 1, b)
+                stopped = max(need, kept_bytes + more, tail)
+            fwd = cross_bytes + self.own_bytes[i] + p.fwd_temp[i]
+            fwd += p.held_fwd[i] if root else 0
+            bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
+            bwd += held_bytes + self.own_saved_bytes[i]
+            for t in saves:
+                kept = cross.get(t)
+                if kept is None or kept is True:
+                    continue
+                bwd += p.size[t]  # read here, and saved by this node
+                if kept is False:
+                    cross[t] = True
+                    held_bytes += p.size[t]
+            need = max(need, kept_bytes + max(fwd, bwd))
+            if i == b - 1 and not root:  # the context's end: nothing crosses it
+                kept_bytes += held_bytes + self.own_saved_bytes[i]
+                cross, cross_bytes, held_bytes = {}, 0, 0
+                continue
+            for t in self.dies_at[i]:
+                kept = cross.get(t)
+                if kept is None or kept == ARG or (root and p.is_output[t]):
+                    continue
+                del cross[t]
+                cross_bytes -= p.size[t]
+                if kept:
+                    kept_bytes += p.size[t]
+                    held_bytes -= p.size[t]
+            for t in p.produced[i]:
+                if self.last_need(t, b, root) == i:
+                    kept_bytes += p.size[t] if t in saves else 0
+                else:
+                    cross[t] = t in saves
+                    cross_bytes += p.size[t]
+                    held_bytes += p.size[t] if t in saves else 0
+        return need, kept_bytes, tuple(sorted(cross.items())), stopped
+
     def value(
         self, c: int, b: int, crossing: tuple, root: bool, whole_ok: bool, depth: int
     ) -> np.ndarray:
@@ -635,22 +720,13 @@ class _Programme:
         last_save = self.last_save[b] if stopping else b
         # Nodes up to the next boundary run unchecked in this context.
         stop = min(self.next_bound[c], b)
-        need, kept_bytes, nxt = 0, 0, crossing
-        for i in range(c, stop):
-            if i == last_save:
-                # See simulate's Rule 5: the recomputation stops after this node's last save;
-                # the nodes after it save nothing and do not run again, only their backward.
-                more, kept_more, after = self.step(i, b, nxt, root, partial=True)
-                kept_more += sum(p.size[t] for t, kept in after if kept is True)
-                tail = kept_bytes + kept_more + self.bwd_max(i + 1, b)
-                stopped = max(need, kept_bytes + more, tail)
-                if stopped < size:
-                    options.append(("stop",))
-                    choice[stopped:] = len(options) - 1
-                    best[stopped:] = run_s(i + 1) - run_s(c)
-            more, kept_more, nxt = self.step(i, b, nxt, root)
-            need = max(need, kept_bytes + more)
-            kept_bytes += kept_more
+        need, kept_bytes, nxt, stopped = self.run(c, stop, b, crossing, root, last_save)
+        if stopped is not None and stopped < size:
+            # See simulate's Rule 5: the recomputation stops after node last_save's last save;
+            # the nodes after it save nothing and do not run again, only their backward.
+            options.append(("stop",))
+            choice[stopped:] = len(options) - 1
+            best[stopped:] = run_s(last_save + 1) - run_s(c)
         if last_save < c:  # nothing left saves: the recomputation stopped before c
             stopped = sum(p.size[t] for t, kept in crossing if kept is True) + self.bwd_max(c, b)
             if stopped < size:
@@ -968,10 +1044,21 @@ def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
     return every, note + depth
 
 
-def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, deadline: float):
+class _NoFit(Exception):
+    """Nothing in the space searched fits the budget (the least it reaches was not sought)."""
+
+
+def _solve_within(
+    graph: CostGraph,
+    budget_bytes: float,
+    options: DPOptions,
+    deadline: float,
+    eager: int,
+    least_memory: bool = True,
+):
     """(regions, note, gap) of the least recompute time within budget over ``options``'
-    space, or InfeasibleBudgetError; OutOfTime past ``deadline``."""
-    eager = simulate(graph, Schedule()).peak_bytes
+    space; OutOfTime past ``deadline``. When nothing fits: InfeasibleBudgetError with the
+    space's least peak, or _NoFit without seeking it (``least_memory`` False)."""
     every, note = _space(graph, options)
     # Optimal for simulate only where its prices are simulate's (see the module docstring).
     every = every and not any(nd.state_bytes for nd in graph.nodes)
@@ -987,6 +1074,8 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
             note += f", bytes rounded up to {solved.unit_bytes}"
         exact = every and solved.unit_bytes == 1
         return schedule.regions, note, 0.0 if exact else None
+    if not least_memory:
+        raise _NoFit
     opts = replace(options, selective=False)
     found = least_memory_schedule(graph, opts, deadline)
     if found is None:  # bytes rounded up to the grid add up past the eager peak itself
@@ -1002,6 +1091,23 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
     return schedule.regions, note + ", least-memory schedule", 0.0 if exact else None
 
 
+def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
+    """The stage counts (``max_bounds``) dp solves in turn, coarse to fine: FIRST_STAGES,
+    doubling while a level keeps at most half the graph's boundaries (a coarser level saves
+    little time then), then ``options.max_bounds``; one level on a graph with fewer than twice
+    FIRST_STAGES boundaries (or whose regions follow module spans, which are never staged)."""
+    top = options.max_bounds
+    if graph.region_spans is not None:
+        return [top]
+    n_bounds = len(region_bounds(graph))
+    levels: list[int | None] = []
+    count = FIRST_STAGES
+    while 2 * count <= n_bounds and (top is None or count < top):
+        levels.append(count)
+        count *= 2
+    return [*levels, top]
+
+
 @register("dp", options=DPOptions)
 def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Schedule:
     """Least recompute time within the budget over nested regions (the space: DPOptions).
@@ -1011,9 +1117,14 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     schedule, whatever the budget) answers if it fits, and its peak is the least budget the
     error states. So every budget above a stated least is planned.
 
-    Bounded by ``options.time_limit_s``: a programme cut short answers nothing, so dp then
-    searches a smaller space (no selective regions, no nesting) in the time left, and past
-    that answers with ``greedy``'s schedule; the note says which.
+    Anytime within ``options.time_limit_s``: on a graph with at least twice FIRST_STAGES
+    region boundaries it solves coarse to fine (:func:`stage_levels`), each level a whole
+    programme over a space that contains the previous one's, and keeps the best schedule found
+    (the note names the space that schedule was solved over, and what the time limit cut
+    short). On a graph coarsened even at its finest level (more boundaries than
+    ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
+    A programme cut short answers nothing: with no level done, dp answers with ``greedy``'s
+    schedule; the note says so.
     """
     start = time.perf_counter()
     deadline = start + options.time_limit_s
@@ -1021,22 +1132,38 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
     limit = time_limit_text(options)
-    try:  # the whole space gets 60% of the time, a smaller one 20%, the fallback the rest
-        regions, note, gap = _solve_within(
-            graph, budget_bytes, options, start + 0.6 * options.time_limit_s
-        )
-        return finish(graph, budget_bytes, regions, "dp", note, gap=gap)
-    except OutOfTime:
-        pass
-    smaller = replace(options, selective=False, max_depth=1)
-    try:
-        regions, note, _ = _solve_within(
-            graph, budget_bytes, smaller, start + 0.8 * options.time_limit_s
-        )
-        note = f"cut short at the {limit}: searched {note} only"
-        return finish(graph, budget_bytes, regions, "dp", note)
-    except OutOfTime:
-        pass
+    levels = stage_levels(graph, options)
+    top = options.max_bounds
+    staged = top is not None and graph.region_spans is None and len(region_bounds(graph)) > top
+    best: tuple[float, tuple[Region, ...], str, float | None] | None = None
+    stopped = ""
+    for k, count in enumerate(levels):
+        last = k == len(levels) - 1
+        try:  # the search gets 80% of the time, the fallback the rest
+            regions, note, gap = _solve_within(
+                graph,
+                budget_bytes,
+                replace(options, max_bounds=count),
+                start + 0.8 * options.time_limit_s,
+                eager,
+                least_memory=last and best is None,
+            )
+        except OutOfTime:
+            stopped = f"; refining to {count} stages cut short at the {limit}"
+            break
+        except _NoFit:
+            continue
+        step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
+        if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
+            if step_s < best[0]:
+                best = (step_s, tuple(regions), note, gap)
+            stopped = f"; refining stopped at {count} stages (less than {REFINE_GAIN:.1%} gained)"
+            break
+        if best is None or step_s < best[0]:
+            best = (step_s, tuple(regions), note, gap)
+    if best is not None:
+        _, regions, note, gap = best
+        return finish(graph, budget_bytes, regions, "dp", note + stopped, gap=gap)
     # Out of time: greedy (cheap, anytime), else revolve, whose deep nesting reaches the least
     # memory of the fixed policies.
     found, least = None, None
