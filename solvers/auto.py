@@ -28,14 +28,21 @@ from planner.solvers.dp import DPOptions
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.greedy import GreedyOptions
 from planner.solvers.ilp import ILPOptions
-from planner.solvers.registry import SolverOptions, get_solver, register, time_limit_text
+from planner.solvers.registry import (
+    DEFAULT_TIME_LIMIT_S,
+    SolverOptions,
+    get_solver,
+    register,
+    time_limit_text,
+)
 from planner.solvers.selective import SelectiveOptions
 from planner.solvers.simulate import simulate
 
 ILP_MAX_NODES = 60
-# The whole solve's default time (plan()'s solve step): capture and pricing already take
-# seconds on long graphs, and a plan should come back within about half a minute.
-AUTO_TIME_LIMIT_S = 10.0
+# The whole solve's default time (plan()'s solve step), as every solver's. 10 s was tried: on
+# a loaded machine auto then stated a least feasible budget that its next call, cut short
+# sooner, could not reach.
+AUTO_TIME_LIMIT_S = DEFAULT_TIME_LIMIT_S
 GREEDY_SHARE = 0.25  # most of the time limit greedy (anytime: thresholds in turn) may take
 ILP_SHARE = 0.2  # of what is left when dp starts, the share dp leaves to ilp
 
