@@ -351,19 +351,22 @@ def fsdp_rows(
         tuple(Region(*eg.module_spans[f"layers.{i}"]) for i in range(cfg.n_layer)), "uniform"
     )
     rows, with_offload = [], None
-    for step, schedule in (("no checkpointing", Schedule()), ("every layer", every)):
+
+    def row(step: str, schedule: Schedule, note: str = "") -> FSDPRow:
         sim = simulate(graph, schedule)
-        rows.append(
-            FSDPRow(
-                shape,
-                cfg.seq_len,
-                step,
-                sim.peak_bytes,
-                sim.step_time_s,
-                tokens / sim.step_time_s,
-                regions=len(schedule.regions),
-            )
+        return FSDPRow(
+            shape,
+            cfg.seq_len,
+            step,
+            sim.peak_bytes,
+            sim.step_time_s,
+            tokens / sim.step_time_s,
+            sim.offload_bytes,
+            len(schedule.regions),
+            note,
         )
+
+    rows += [row("no checkpointing", Schedule()), row("every layer", every)]
     for step, offload in (("planner, no offload", False), ("planner + offload", None)):
         options = AutoOptions(time_limit_s=time_limit_s, dp=DPOptions(max_depth=2, offload=offload))
         try:
@@ -371,20 +374,7 @@ def fsdp_rows(
         except InfeasibleBudgetError:  # its stated least is dp's grid's, not shown
             rows.append(FSDPRow(shape, cfg.seq_len, step, None, None, None))
             continue
-        sim = simulate(graph, schedule)
-        rows.append(
-            FSDPRow(
-                shape,
-                cfg.seq_len,
-                step,
-                sim.peak_bytes,
-                sim.step_time_s,
-                tokens / sim.step_time_s,
-                sim.offload_bytes,
-                len(schedule.regions),
-                schedule.solver,
-            )
-        )
+        rows.append(row(step, schedule, schedule.solver))
         if offload is None:
             with_offload = build_inplace_plan(model, eg, schedule, round(budget))
     return budget, baseline_bytes, rows, with_offload

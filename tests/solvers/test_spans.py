@@ -40,22 +40,7 @@ def _span_only(graph):
 def test_dp_is_optimal_over_span_only_schedules(seed, n, dag):
     rng = random.Random(seed)
     graph = _with_spans((random_dag if dag else random_chain)(rng, n), rng)
-    scored = _span_only(graph)
-    eager = simulate(graph, Schedule()).peak_bytes
-    for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager):
-        want = scored.best(budget)
-        try:
-            got = solve_dp(graph, budget, selective=False)  # brute force has no selective
-        except InfeasibleBudgetError as e:
-            assert want is None, f"dp found nothing, brute force found {want[1].regions}"
-            assert e.min_bytes == scored.least_bytes
-            continue
-        assert want is not None, got.regions
-        assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
-        sim = simulate(graph, got)
-        assert sim.peak_bytes <= budget
-        assert sim.recompute_time_s == pytest.approx(want[0], abs=1e-9), (got.regions, want[1])
-        assert got.gap == 0.0
+    _assert_dp_matches(graph, _span_only(graph), rng)
 
 
 def _span_only_offload(graph):
@@ -80,22 +65,7 @@ def test_dp_with_offload_is_optimal_over_span_only_schedules(seed, n, dag, link,
     rng = random.Random(seed)
     graph = _with_spans((random_dag if dag else random_chain)(rng, n), rng)
     graph = dataclasses.replace(graph, offload_bytes_per_s=link, offload_overlap=overlap)
-    scored = _span_only_offload(graph)
-    eager = simulate(graph, Schedule()).peak_bytes
-    for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager):
-        want = scored.best(budget)
-        try:
-            got = solve_dp(graph, budget, selective=False, offload=True)
-        except InfeasibleBudgetError as e:
-            assert want is None, f"dp found nothing, brute force found {want[1].regions}"
-            assert e.min_bytes == scored.least_bytes
-            continue
-        assert want is not None, got.regions
-        assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
-        sim = simulate(graph, got)
-        assert sim.peak_bytes <= budget
-        added_s = sim.step_time_s - graph.step_time_s
-        assert added_s == pytest.approx(want[0], abs=1e-9), (got.regions, want[1])
+    _assert_dp_matches(graph, _span_only_offload(graph), rng, offload=True)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
@@ -134,3 +104,27 @@ def test_solvers_that_ignore_spans_refuse_clearly(name):
         pass  # nothing within budget to place anywhere
     else:
         assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
+
+
+def _assert_dp_matches(graph, scored, rng, offload: bool = False) -> None:
+    """dp on module spans against brute force's ``scored`` span-only schedules: the same least
+    budget, and at each budget its cost (recompute time, or with ``offload`` the time added to
+    the step), proven optimal when it does not offload."""
+    eager = simulate(graph, Schedule()).peak_bytes
+    for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager):
+        want = scored.best(budget)
+        try:
+            # brute force has no selective; offload only where it scores offload too
+            got = solve_dp(graph, budget, selective=False, **({"offload": True} if offload else {}))
+        except InfeasibleBudgetError as e:
+            assert want is None, f"dp found nothing, brute force found {want[1].regions}"
+            assert e.min_bytes == scored.least_bytes
+            continue
+        assert want is not None, got.regions
+        assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
+        sim = simulate(graph, got)
+        assert sim.peak_bytes <= budget
+        cost_s = sim.step_time_s - graph.step_time_s if offload else sim.recompute_time_s
+        assert cost_s == pytest.approx(want[0], abs=1e-9), (got.regions, want[1])
+        if not offload:
+            assert got.gap == 0.0
