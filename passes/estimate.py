@@ -510,7 +510,7 @@ def with_measured_times(
         nodes=nodes,
         region_overhead_s=overhead.region_s,
         saving_node_overhead_s=overhead.per_saving_node_s,
-        selective_node_overhead_s=overhead.per_selective_node_s,
+        selective_call_overhead_s=overhead.per_selective_call_s,
     )
     if step_time is not None and step_time.checkpointed_s is not None:
         # The step checkpointed whole recomputes the forward (to its last save): what that
@@ -525,10 +525,12 @@ def with_measured_times(
         how += f"; recomputation x {scale:.2f} of forward (a step checkpointed whole)"
     if step_time is not None and None not in (step_time.checkpointed_s, step_time.selective_s):
         # The same, under a selective policy that recomputes every op: the policy's dispatch,
-        # per node, in forward and in the recomputation.
-        per_node_s = (step_time.selective_s - step_time.checkpointed_s) / len(nodes)
-        graph = dataclasses.replace(graph, selective_node_overhead_s=max(0.0, per_node_s))
-        how += f"; selective policy + {max(0.0, per_node_s) * 1e6:.1f} us per node"
+        # per aten call, in forward and in the recomputation. Per call, not per node: a node
+        # that dispatches several ops (a matmul's views and bmm) costs the policy as many times.
+        calls = sum(n.fwd_calls for n in nodes)
+        per_call_s = max(0.0, (step_time.selective_s - step_time.checkpointed_s) / max(calls, 1))
+        graph = dataclasses.replace(graph, selective_call_overhead_s=per_call_s)
+        how += f"; selective policy + {per_call_s * 1e6:.1f} us per call"
     return dataclasses.replace(graph, meta={**graph.meta, "timing": how})
 
 

@@ -175,13 +175,13 @@ class CheckpointOverhead:
     ``region_s`` once per region (frames, RNG state, the recomputation's set-up);
     ``per_saving_node_s`` for each node in it that saves for backward (the saved-tensor hooks run
     for it in forward, again in the recomputation, and on unpacking in backward);
-    ``per_selective_node_s`` for each aten call of a selective region (its policy's dispatch
+    ``per_selective_call_s`` for each aten call of a selective region (its policy's dispatch
     mode sees every op, in forward and in the recomputation).
     """
 
     region_s: float = 0.0
     per_saving_node_s: float = 0.0
-    per_selective_node_s: float = 0.0
+    per_selective_call_s: float = 0.0
 
 
 _CHECKPOINT_OVERHEAD: dict[str, CheckpointOverhead] = {}
@@ -252,11 +252,11 @@ def checkpoint_overhead(
     few_s, few_selective_s = excess_s(1)
     many_s, many_selective_s = excess_s(8)
     per_saving_node_s = max(0.0, (many_s - few_s) / (2 * 8 - 2))
-    per_selective_node_s = max(0.0, (many_selective_s - many_s) / (2 * 8))
+    per_selective_call_s = max(0.0, (many_selective_s - many_s) / (2 * 8))
     overhead = CheckpointOverhead(
         region_s=max(0.0, few_s - 2 * per_saving_node_s),
         per_saving_node_s=per_saving_node_s,
-        per_selective_node_s=per_selective_node_s,
+        per_selective_call_s=per_selective_call_s,
     )
     _CHECKPOINT_OVERHEAD[key] = overhead
     return overhead

@@ -155,11 +155,11 @@ class CostGraph:
     grad_buffers: tuple[GradBuffer, ...] | None = None
     # What a checkpoint region adds to a step's time beyond recomputing its nodes
     # (region_overhead_time_s; measured on the device by passes/op_timing.py, 0 for roofline
-    # prices): once per region, per node in it that saves for backward, per node of a
-    # selective region.
+    # prices): once per region, per node in it that saves for backward, per aten call
+    # (Node.fwd_calls) of a selective region (its policy's dispatch mode sees each one).
     region_overhead_s: float = 0.0
     saving_node_overhead_s: float = 0.0
-    selective_node_overhead_s: float = 0.0
+    selective_call_overhead_s: float = 0.0
     # A node's recomputation over its forward time (node_recompute_time_s): fitted on the device
     # to a step checkpointed whole (passes/estimate.py); 1 for roofline prices.
     recompute_scale: float = 1.0
@@ -208,7 +208,7 @@ class CostGraph:
         saving, calls = [0.0], [0.0]
         for n in self.nodes:
             saving.append(saving[-1] + n.saves_for_backward * self.saving_node_overhead_s)
-            calls.append(calls[-1] + self.selective_node_overhead_s)
+            calls.append(calls[-1] + n.fwd_calls * self.selective_call_overhead_s)
         return tuple(saving), tuple(calls)
 
     @cached_property
@@ -286,5 +286,5 @@ def graph_for_objective(graph: CostGraph, objective: Objective) -> CostGraph:
         recompute_scale=1.0,
         region_overhead_s=w * graph.region_overhead_s,
         saving_node_overhead_s=w * graph.saving_node_overhead_s,
-        selective_node_overhead_s=w * graph.selective_node_overhead_s,
+        selective_call_overhead_s=w * graph.selective_call_overhead_s,
     )

@@ -59,19 +59,20 @@ def test_node_times_are_fitted_to_the_measured_step():
     )
     assert halved.recompute_scale == pytest.approx(0.5)
     assert halved.node_recompute_time_s(3) == pytest.approx(0.5 * halved.node_time_s(3))
-    # Under a selective policy the same step took n_nodes ms longer: 1 ms per node.
-    n = len(slow.nodes)
+    # Under a selective policy the same step took 1 ms longer per aten call its forward made.
+    calls = sum(n.fwd_calls for n in slow.nodes)
+    assert calls > 0
     checkpointed_s = 3.5 + overhead_s
     selective = estimate(
         c.module,
         c.args,
         c.kwargs,
         time_ops=True,
-        step_time=StepTime(1.0, 2.0, checkpointed_s, checkpointed_s + n * 1e-3),
+        step_time=StepTime(1.0, 2.0, checkpointed_s, checkpointed_s + calls * 1e-3),
     )
-    assert selective.selective_node_overhead_s == pytest.approx(1e-3)
-    stand_in = checkpoint_overhead(torch.device("cpu")).per_selective_node_s
-    assert halved.selective_node_overhead_s == stand_in  # not measured: the tiny chain's
+    assert selective.selective_call_overhead_s == pytest.approx(1e-3)
+    stand_in = checkpoint_overhead(torch.device("cpu")).per_selective_call_s
+    assert halved.selective_call_overhead_s == stand_in  # not measured: the tiny chain's
     # A step faster than its ops timed alone: they are scaled down alike.
     fast = estimate(c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1e-6, 2e-6))
     assert sum(n.fwd_time_s for n in fast.nodes) == pytest.approx(1e-6)

@@ -42,7 +42,7 @@ def test_overhead_adds_per_region_per_saving_node_and_per_selective_node():
         nodes=nodes,
         region_overhead_s=1.0,
         saving_node_overhead_s=0.25,
-        selective_node_overhead_s=0.125,
+        selective_call_overhead_s=0.125,
     )
     assert graph.checkpoint_overhead_s(0, 3) == 1.0 + 2 * 0.25  # node 1 saves nothing
     assert graph.checkpoint_overhead_s(0, 3, "selective") == 1.0 + 2 * 0.25 + 3 * 0.125
