@@ -32,10 +32,11 @@ def _extra_s(graph: CostGraph, schedule: Schedule) -> float:
     return simulate(graph, schedule).step_time_s - graph.step_time_s
 
 
-def test_overhead_adds_per_region_per_saving_node_and_per_selective_node():
+def test_overhead_adds_per_region_per_saving_node_and_per_selective_call():
     graph = random_chain(random.Random(1), 4)
     nodes = tuple(
-        dataclasses.replace(n, saves_for_backward=i != 1) for i, n in enumerate(graph.nodes)
+        dataclasses.replace(n, saves_for_backward=i != 1, fwd_calls=(1, 1, 3, 0)[i])
+        for i, n in enumerate(graph.nodes)
     )
     graph = dataclasses.replace(
         graph,
@@ -45,7 +46,9 @@ def test_overhead_adds_per_region_per_saving_node_and_per_selective_node():
         selective_call_overhead_s=0.125,
     )
     assert graph.checkpoint_overhead_s(0, 3) == 1.0 + 2 * 0.25  # node 1 saves nothing
-    assert graph.checkpoint_overhead_s(0, 3, "selective") == 1.0 + 2 * 0.25 + 3 * 0.125
+    # a selective policy sees each aten call: node 2 dispatches three, node 3 none
+    assert graph.checkpoint_overhead_s(0, 3, "selective") == 1.0 + 2 * 0.25 + 5 * 0.125
+    assert graph.checkpoint_overhead_s(3, 4, "selective") == 1.0 + 0.25
     regions = (Region(0, 2), Region(2, 4))
     sim = simulate(graph, Schedule(regions))
     assert sim.step_time_s == pytest.approx(
