@@ -110,9 +110,7 @@ def candidates(
         coarse = sorted(
             {max(b for b in bounds if b <= c) for c in coarse_cut_points(graph, coarse_cuts)}
         )
-        pairs |= {
-            (a, b) for k, a in enumerate(coarse) for b in coarse[k + 1 : k + 1 + coarse_span]
-        }
+        pairs |= {(a, b) for k, a in enumerate(coarse) for b in coarse[k + 1 : k + 1 + coarse_span]}
     kinds = ("recompute", "offload") if offload else ("recompute",)
     return [Region(a, b, kind=kind) for kind in kinds for a, b in sorted(pairs)]
 
@@ -138,11 +136,12 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
             added_s = p.prefix_time_s[r.stop] - p.prefix_time_s[r.start]
         return added_s + p.overhead_s(r.start, r.stop, r.kind)
 
-    # In units of the dearest candidate / 1e6: HiGHS stops once its gap is below 1e-6 in the
-    # objective's units (scipy exposes no absolute gap), and an offload's exposed transfers
-    # are often far less than 1e-6 s, which it could then not tell apart.
+    # In units of the dearest candidate / 1e9: both backends stop improving once the objective
+    # would move by less than about 1e-6 of its units (HiGHS's absolute gap, which scipy does
+    # not expose; CBC's increment), and an offload's exposed transfer is often far less than
+    # 1e-6 s: in seconds they could not tell two offload regions apart.
     costs_s = [cost_s(k, r) for k, r in enumerate(regions)]
-    unit_s = max(costs_s, default=0.0) / 1e6 or 1.0
+    unit_s = max(costs_s, default=0.0) / 1e9 or 1.0
     x = [mdl.var(c / unit_s, integer=True) for c in costs_s]
     covering: list[list[int]] = [[] for _ in range(n)]  # candidates containing node i
     for k, r in enumerate(regions):
@@ -429,9 +428,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
     if eager <= budget_bytes:
         return finish(graph, budget_bytes, [], "ilp", "the eager step fits", gap=0.0)
     offload = graph.host_link if options.offload is None else options.offload
-    regions = candidates(
-        graph, options.max_span, options.coarse_cuts, options.coarse_span, offload
-    )
+    regions = candidates(graph, options.max_span, options.coarse_cuts, options.coarse_span, offload)
     mdl, x = build(graph, budget_bytes, regions)
     # dp over the same non-nested space: the warm start, and the answer when the MILP has none.
     dp = DPOptions(

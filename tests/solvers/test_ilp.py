@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,8 +15,8 @@ from planner.solvers.dp import DPOptions, least_peak, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.simulate import simulate
-from tests.solvers.brute import score_all
-from tests.solvers.synthetic import gpt_like_graph, random_dag
+from tests.solvers.brute import assert_matches, score_all
+from tests.solvers.synthetic import gpt_like_graph, random_chain, random_dag
 
 
 def _time_or_least(solve, graph, budget, **opts):
@@ -41,6 +43,27 @@ def test_ilp_is_optimal_against_brute_force(seed, n):
             assert got is None
         else:
             assert got == pytest.approx(want[0], abs=1e-9)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 5),
+    dag=st.booleans(),
+    link=st.sampled_from((1e8, 1e9, 1e10)),
+    overlap=st.sampled_from((0.0, 0.5, 1.0)),
+    warm=st.booleans(),
+)
+def test_ilp_with_offload_is_optimal_against_brute_force(seed, n, dag, link, overlap, warm):
+    """Offload regions among the candidates (simulate's Rule 7): ilp's least budget is brute
+    force's over non-nested schedules with offload, and at every budget its schedule adds brute
+    force's least time to the step (recompute, exposed transfers); the MILP alone (no warm
+    start from dp, proven optimal) as well as the solver as it runs by default."""
+    rng = random.Random(seed)
+    graph = (random_dag if dag else random_chain)(rng, n)
+    graph = replace(graph, offload_bytes_per_s=link, offload_overlap=overlap, host_link=True)
+    solve = functools.partial(solve_ilp, **({} if warm else {"warm": False, "rel_gap": 0.0}))
+    assert_matches(solve, graph, score_all(graph, max_depth=1, offload=True), rng, offload=True)
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
