@@ -7,7 +7,7 @@ families with nesting, so keep ``n`` at 5 or below (7 or so with ``max_depth=1``
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -91,13 +91,18 @@ def assert_matches(
     scored: Scored,
     rng: random.Random,
     offload: bool = False,
+    budgets: Iterable[int] | None = None,
 ) -> None:
     """``solve`` (a solver with its options bound) against brute force's ``scored`` schedules
     (over the same space): the same least budget, and at each budget a schedule within it, on
     the graph's region spans if it has them, that costs brute force's least -- recompute time,
-    or with ``offload`` the time added to the step -- proven optimal when it does not offload."""
+    or with ``offload`` the time added to the step -- proven optimal when it does not offload.
+    ``budgets``: by default brute force's least, one byte less, one at random and the eager
+    peak."""
     eager = simulate(graph, Schedule()).peak_bytes
-    for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager):
+    if budgets is None:
+        budgets = (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager)
+    for budget in budgets:
         want = scored.best(budget)
         try:
             got = solve(graph, budget)
