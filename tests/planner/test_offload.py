@@ -6,6 +6,7 @@ the transfer hides behind the region's compute better than recomputing it, never
   auto offloads the attention modules, the step is faster than with them recomputed, and
   ``summary()`` says why (transfer time < recompute time).
 - GPT-ref on the CPU profile (host memory is the device's): never offloaded, whatever the budget.
+- ilp alone on a 2-layer shape (one process): it offloads the attention modules too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""ilp against brute force and dp: the same least recompute time over non-nested regions."""
+"""ilp against brute force and dp: the same least recompute time over non-nested regions, and
+with offload regions among its candidates the same least time added to the step."""
 
 from __future__ import annotations
 
