@@ -336,6 +336,7 @@ def fsdp_rows(
     from planner.solvers.costgraph import Region, Schedule
     from planner.solvers.dp import DPOptions
     from planner.solvers.errors import InfeasibleBudgetError
+    from planner.solvers.ilp import ILPOptions
     from planner.solvers.registry import get_solver
     from planner.solvers.simulate import simulate
 
@@ -368,7 +369,11 @@ def fsdp_rows(
 
     rows += [row("no checkpointing", Schedule()), row("every layer", every)]
     for step, offload in (("planner, no offload", False), ("planner + offload", None)):
-        options = AutoOptions(time_limit_s=time_limit_s, dp=DPOptions(max_depth=2, offload=offload))
+        options = AutoOptions(
+            time_limit_s=time_limit_s,
+            dp=DPOptions(max_depth=2, offload=offload),
+            ilp=ILPOptions(offload=offload),  # auto runs it on graphs of up to ILP_MAX_NODES nodes
+        )
         try:
             schedule = get_solver("auto")(graph, budget, options)
         except InfeasibleBudgetError:  # its stated least is dp's grid's, not shown

@@ -17,6 +17,14 @@ sparse row:
 - region R (its recomputation and backward): fin[R.stop] + crossing kept by R.stop + K_R
   <= budget (off unless ``x[R]``), where K_R, the region's own working set, is a constant.
 
+With ``ILPOptions.offload`` (by default: when ``CostGraph.host_link``, as ``dp``'s) every
+candidate interval may also be an offload region (simulate's Rule 7), ``x[R]`` of its own.
+Whether it keeps a storage is the same disjunction (what it saves of its own storages goes to
+host, its arguments stay on the device to its end), and it runs no recomputation: node i's
+backward inside it is the unchecked row plus the bytes i brings back from host, with the
+region's arguments kept to its end (off unless ``x[R]``). It costs the transfer time it
+exposes (``simulate.offload_time_s``), not recomputation.
+
 Backends: ``scipy.optimize.milp`` (HiGHS, default) and pulp (CBC). A time limit stops the
 search; the gap is reported in Schedule.gap, and on a timeout without a solution ``dp`` answers.
 On large graphs the candidates are the intervals ``dp`` uses (short spans plus coarse cuts).
@@ -41,7 +49,12 @@ from planner.solvers.dp import (
 )
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import SolverOptions, register, time_limit_text
-from planner.solvers.simulate import region_peak, simulate
+from planner.solvers.simulate import (
+    offload_fetch_bytes,
+    offload_time_s,
+    region_peak,
+    simulate,
+)
 
 FULL_NODES = 40  # up to this many nodes every interval is a candidate
 # Short spans on large graphs: half dp's, so the MILP on GPT-ref (about 1,200 candidates)
@@ -73,29 +86,42 @@ class Model:
         self.row_lo.append(lo)
         self.row_hi.append(hi)
 
+    def count_in(self, unit: float, columns: set[int]) -> None:
+        """Rows that hold any of ``columns`` (and so those columns) count in ``unit``s: their
+        other coefficients and their bounds are divided by it."""
+        for r, coef in enumerate(self.rows):
+            if not columns.isdisjoint(coef):
+                self.rows[r] = {k: c if k in columns else c / unit for k, c in coef.items()}
+                self.row_lo[r] /= unit
+                self.row_hi[r] /= unit
+
 
 def candidates(
     graph: CostGraph,
     max_span: int | None,
     coarse_cuts: int | None,
     coarse_span: int = DEFAULT_COARSE_SPAN,
+    offload: bool = False,
 ) -> list[Region]:
     """Every interval on small graphs; else intervals spanning at most ``max_span`` boundaries
     (cuts after nodes that allocate: a cut after a view equals the one before it) and those
-    between coarse cuts. On a module-granular graph, exactly its region spans."""
+    between coarse cuts. On a module-granular graph, exactly its region spans. With
+    ``offload``, each interval also as an offload region (after all the recompute ones)."""
     n = len(graph.nodes)
     if graph.region_spans is not None:
-        return [Region(a, b) for a, b in sorted(graph.region_spans)]
-    if max_span is None or n <= FULL_NODES:
+        pairs = set(graph.region_spans)
+    elif max_span is None or n <= FULL_NODES:
         ok = allowed_cuts(graph)  # in-place writes forbid some boundaries
-        return [Region(a, b) for a in range(n) for b in range(a + 1, n + 1) if ok[a] and ok[b]]
-    bounds = region_bounds(graph)
-    pairs = {(a, b) for k, a in enumerate(bounds) for b in bounds[k + 1 : k + 1 + max_span]}
-    coarse = sorted(
-        {max(b for b in bounds if b <= c) for c in coarse_cut_points(graph, coarse_cuts)}
-    )
-    pairs |= {(a, b) for k, a in enumerate(coarse) for b in coarse[k + 1 : k + 1 + coarse_span]}
-    return [Region(a, b) for a, b in sorted(pairs)]
+        pairs = {(a, b) for a in range(n) for b in range(a + 1, n + 1) if ok[a] and ok[b]}
+    else:
+        bounds = region_bounds(graph)
+        pairs = {(a, b) for k, a in enumerate(bounds) for b in bounds[k + 1 : k + 1 + max_span]}
+        coarse = sorted(
+            {max(b for b in bounds if b <= c) for c in coarse_cut_points(graph, coarse_cuts)}
+        )
+        pairs |= {(a, b) for k, a in enumerate(coarse) for b in coarse[k + 1 : k + 1 + coarse_span]}
+    kinds = ("recompute", "offload") if offload else ("recompute",)
+    return [Region(a, b, kind=kind) for kind in kinds for a, b in sorted(pairs)]
 
 
 def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
@@ -103,15 +129,29 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
     p = prices(graph)
     n = p.n
     mdl = Model()
-    x = [
-        mdl.var(
-            p.prefix_time_s[r.stop]
-            - p.prefix_time_s[r.start]
-            + p.overhead_s(r.start, r.stop, r.kind),
-            integer=True,
-        )
-        for r in regions
-    ]
+    # See simulate's Rule 7: what each offload candidate's nodes bring back in backward.
+    fetched = {
+        k: offload_fetch_bytes(graph, r.start, r.stop)
+        for k, r in enumerate(regions)
+        if r.kind == "offload"
+    }
+
+    def cost_s(k: int, r: Region) -> float:
+        """The time region ``r`` adds to the step: its recomputation, or the transfers it
+        exposes, and its bookkeeping."""
+        if r.kind == "offload":
+            added_s = offload_time_s(graph, r.start, r.stop, sum(fetched[k].values()))
+        else:
+            added_s = p.prefix_time_s[r.stop] - p.prefix_time_s[r.start]
+        return added_s + p.overhead_s(r.start, r.stop, r.kind)
+
+    # In units of the dearest candidate / 1e9: both backends stop improving once the objective
+    # would move by less than about 1e-6 of its units (HiGHS's absolute gap, which scipy does
+    # not expose; CBC's increment), and an offload's exposed transfer is often far less than
+    # 1e-6 s: in seconds they could not tell two offload regions apart.
+    costs_s = [cost_s(k, r) for k, r in enumerate(regions)]
+    unit_s = max(costs_s, default=0.0) / 1e9 or 1.0
+    x = [mdl.var(c / unit_s, integer=True) for c in costs_s]
     covering: list[list[int]] = [[] for _ in range(n)]  # candidates containing node i
     for k, r in enumerate(regions):
         for i in range(r.start, r.stop):
@@ -215,11 +255,35 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
         if big_m == 0.0:
             continue  # never binding
         for k in covering[i]:
-            coef[k] = coef.get(k, 0.0) - big_m
+            if regions[k].kind != "offload":  # an offload region's own row is tighter
+                coef[k] = coef.get(k, 0.0) - big_m
         mdl.row(coef, hi=budget_bytes - const)
 
-    # Each candidate region: what the step keeps meanwhile plus its own working set.
+    # Backward of node i inside an offload region: unchecked, plus what i brings back from
+    # host, with the region's arguments (made before it, a reason inside it) kept to its end.
     for k, r in enumerate(regions):
+        if r.kind != "offload":
+            continue
+        for i in range(r.start, r.stop):
+            const = p.grad_at_bwd[i] + p.bwd_temp[i] + fetched[k].get(i, 0)
+            if const > budget_bytes:
+                mdl.ub[k] = 0.0
+                break
+            coef = {fin[i + 1]: 1.0}
+            for t in crossing[i + 1]:
+                v = kept_by(t, r.stop if p.producer[t] < r.start else i + 1)
+                if v is not None:
+                    coef[v] = coef.get(v, 0.0) + p.size[t]
+            most = fin_max[i + 1] + sum(p.size[t] for t in crossing[i + 1])
+            big_m = max(0.0, most - (budget_bytes - const))
+            if big_m > 0.0:
+                coef[k] = big_m
+                mdl.row(coef, hi=budget_bytes - const + big_m)
+
+    # Each candidate recompute region: what the step keeps meanwhile plus its own working set.
+    for k, r in enumerate(regions):
+        if r.kind == "offload":
+            continue
         own = region_peak(p, r.start, r.stop)
         coef = {fin[r.stop]: 1.0}
         for t in crossing[r.stop]:
@@ -235,6 +299,11 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
         if big_m > 0.0:
             coef[k] = big_m
             mdl.row(coef, hi=budget_bytes - own + big_m)
+    # Every row in bytes holds a fin variable, which has a coefficient of one in each. Counted
+    # in millionths of the budget (bytes on small budgets): with 1-byte and 3e10-byte
+    # coefficients in one row HiGHS's MIP called the dearest candidate optimal, at 33 times the
+    # cost of a schedule the same MILP admits (a 2-layer Llama-7B shape at 32k tokens on H100).
+    mdl.count_in(max(1.0, budget_bytes / 1e6), set(fin))
     return mdl, x
 
 
@@ -328,8 +397,8 @@ def warm_start(answer, regions: list[Region]) -> list[int] | None:
     subset of the candidates), or None when dp found nothing or ran out of time."""
     if not isinstance(answer, Schedule) or answer.solver != "dp":
         return None
-    index = {(r.start, r.stop): k for k, r in enumerate(regions)}
-    chosen = [index.get((r.start, r.stop)) for r in answer.regions]
+    index = {(r.start, r.stop, r.kind): k for k, r in enumerate(regions)}
+    chosen = [index.get((r.start, r.stop, r.kind)) for r in answer.regions]
     return None if None in chosen else chosen
 
 
@@ -340,7 +409,8 @@ class ILPOptions(SolverOptions):
     it) or ``milp_time_limit_s`` (the MILP search alone, None: what is left) runs out.
     Candidates: every interval on small graphs, else spans of at most ``max_span`` boundaries
     and those between coarse cuts (``coarse_cuts``, ``coarse_span`` as dp's). ``warm``: start
-    from dp's schedule."""
+    from dp's schedule. ``offload``: each candidate may also be an offload region (None: when
+    the graph's device has a host link, ``CostGraph.host_link``, as dp's)."""
 
     time_limit_s: float = 10.0
     milp_time_limit_s: float | None = None
@@ -350,11 +420,13 @@ class ILPOptions(SolverOptions):
     coarse_cuts: int | None = None
     coarse_span: int = DEFAULT_COARSE_SPAN
     warm: bool = True
+    offload: bool | None = None
 
 
 @register("ilp", options=ILPOptions)
 def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Schedule:
-    """Least recompute time within budget over disjoint regions, by MILP.
+    """Least added step time (recomputation, offload transfers) within budget over disjoint
+    regions, by MILP.
 
     ``backend``: "highs" (scipy.optimize.milp) or "cbc" (pulp). Stops at ``rel_gap`` or when
     ``time_limit_s`` (the whole call) runs out. ``warm``: dp's non-nested schedule is the first
@@ -369,7 +441,8 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:
         return finish(graph, budget_bytes, [], "ilp", "the eager step fits", gap=0.0)
-    regions = candidates(graph, options.max_span, options.coarse_cuts, options.coarse_span)
+    offload = graph.host_link if options.offload is None else options.offload
+    regions = candidates(graph, options.max_span, options.coarse_cuts, options.coarse_span, offload)
     mdl, x = build(graph, budget_bytes, regions)
     # dp over the same non-nested space: the warm start, and the answer when the MILP has none.
     dp = DPOptions(
@@ -379,6 +452,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
         coarse_span=options.coarse_span,
         max_depth=1,
         selective=False,
+        offload=offload,
     )
     answer = dp_answer(graph, budget_bytes, dp) if options.warm else None
     incumbent = warm_start(answer, regions)

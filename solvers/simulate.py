@@ -448,6 +448,20 @@ class _Replay:
             i -= 1
 
 
+def offload_fetch_bytes(graph: CostGraph, start: int, stop: int) -> dict[int, int]:
+    """See Rule 7: the bytes each node's backward brings back from host when nodes [start,
+    stop) form a top-level offload region with nothing nested in it -- every storage made
+    inside the region, once for each node inside it that saves it. Their sum is what the
+    region sends (``Simulation.offloaded``): the closed form a solver prices the region with."""
+    fetched: dict[int, int] = {}
+    for t in graph.tensors:
+        if start <= t.producer < stop:
+            for s in set(t.saved_by):
+                if start <= s < stop:
+                    fetched[s] = fetched.get(s, 0) + t.size_bytes
+    return fetched
+
+
 def offload_time_s(graph: CostGraph, start: int, stop: int, offloaded_bytes: float) -> float:
     """See Rule 7: the step time an offload region over nodes [start, stop) that sends
     ``offloaded_bytes`` to host and back adds, once its transfers hide behind up to

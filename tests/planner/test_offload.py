@@ -6,6 +6,7 @@ the transfer hides behind the region's compute better than recomputing it, never
   auto offloads the attention modules, the step is faster than with them recomputed, and
   ``summary()`` says why (transfer time < recompute time).
 - GPT-ref on the CPU profile (host memory is the device's): never offloaded, whatever the budget.
+- ilp alone on a 2-layer shape (one process): it offloads the attention modules too.
 """
 
 from __future__ import annotations
@@ -66,3 +67,28 @@ def test_gpt_ref_on_the_cpu_profile_is_never_offloaded(fraction):
     assert not p.graph.host_link
     assert p.regions and not any(r.kind == "offload" for r in p.regions)
     assert p.simulation.offload_bytes == 0 and "to host" not in p.summary()
+
+
+def test_ilp_offloads_the_attention_modules_on_h100_too():
+    """ilp over the module spans of a 2-layer Llama-7B shape at 32k tokens (one process, H100
+    profile): it offloads both attention modules, faster than its best plan without offload,
+    the same whether its MILP starts from dp's schedule or not, on either backend."""
+    cfg = LlamaConfig(n_layer=2, seq_len=SEQ, attention="sdpa")
+    model, example = llama_example(cfg)
+    eg = price_inplace(model, example, device=device_profile("h100"))
+    graph = eg.graph
+    layers = tuple(Region(*eg.module_spans[f"layers.{i}"]) for i in range(2))
+    every = simulate(graph, Schedule(layers)).peak_bytes
+    budget = round((every + simulate(graph, Schedule()).peak_bytes) / 2)
+    ilp = get_solver("ilp")
+    times_s = []
+    for opts in ({}, {"warm": False}, {"warm": False, "backend": "cbc"}):
+        schedule = ilp(graph, budget, **opts)
+        offloaded = {eg.spans[(r.start, r.stop)] for r in schedule.regions if r.kind == "offload"}
+        assert offloaded == {"layers.0.self_attn", "layers.1.self_attn"}, (opts, schedule.regions)
+        sim = simulate(graph, schedule)
+        assert sim.peak_bytes <= budget
+        times_s.append(sim.step_time_s)
+    assert times_s == pytest.approx([times_s[0]] * 3, rel=1e-9)
+    plain = simulate(graph, ilp(graph, budget, offload=False))
+    assert plain.offload_bytes == 0 and times_s[0] < plain.step_time_s

@@ -6,11 +6,15 @@ families with nesting, so keep ``n`` at 5 or below (7 or so with ``max_depth=1``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+
+import pytest
 
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.simulate import simulate
 
 
@@ -79,3 +83,39 @@ def brute_force(
 ) -> tuple[float, Schedule] | None:
     """(least recompute time, a schedule reaching it) within budget, or None if none fits."""
     return score_all(graph, max_depth).best(budget_bytes)
+
+
+def assert_matches(
+    solve: Callable[[CostGraph, float], Schedule],
+    graph: CostGraph,
+    scored: Scored,
+    rng: random.Random,
+    offload: bool = False,
+    budgets: Iterable[int] | None = None,
+) -> None:
+    """``solve`` (a solver with its options bound) against brute force's ``scored`` schedules
+    (over the same space): the same least budget, and at each budget a schedule within it, on
+    the graph's region spans if it has them, that costs brute force's least -- recompute time,
+    or with ``offload`` the time added to the step -- proven optimal when it does not offload.
+    ``budgets``: by default brute force's least, one byte less, one at random and the eager
+    peak."""
+    eager = simulate(graph, Schedule()).peak_bytes
+    if budgets is None:
+        budgets = (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager)
+    for budget in budgets:
+        want = scored.best(budget)
+        try:
+            got = solve(graph, budget)
+        except InfeasibleBudgetError as e:
+            assert want is None, f"solver found nothing, brute force found {want[1].regions}"
+            assert e.min_bytes == scored.least_bytes
+            continue
+        assert want is not None, got.regions
+        spans = graph.region_spans
+        assert spans is None or all((r.start, r.stop) in spans for r in got.regions)
+        sim = simulate(graph, got)
+        assert sim.peak_bytes <= budget
+        cost_s = sim.step_time_s - graph.step_time_s if offload else sim.recompute_time_s
+        assert cost_s == pytest.approx(want[0], abs=1e-9), (got.regions, want[1])
+        if not offload:
+            assert got.gap == 0.0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from planner.solvers.costgraph import Schedule
 from planner.solvers.dp import DPOptions, least_peak, solve_all, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import get_solver
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import score_all
 from tests.solvers.synthetic import GraphBuilder, gpt_like_graph, random_chain, random_dag
@@ -169,27 +172,41 @@ def _matmul_chain(offload_bytes_per_s: float, overlap: float):
 
 
 @pytest.mark.parametrize(
+    ("solver", "opts"),
+    [
+        ("dp", {}),
+        # the MILP alone (dp's schedule is its warm start otherwise), on both backends
+        ("ilp", {"warm": False, "backend": "highs"}),
+        ("ilp", {"warm": False, "backend": "cbc"}),
+    ],
+)
+@pytest.mark.parametrize(
     ("link_bytes_per_s", "overlap", "offloads"),
     [(1e9, 0.5, True), (1e9, 0.0, True), (1e4, 0.5, False), (1e4, 0.0, False)],
 )
-def test_dp_offloads_when_the_transfer_is_cheaper_than_recomputing(
-    link_bytes_per_s, overlap, offloads
+def test_dp_and_ilp_offload_when_the_transfer_is_cheaper_than_recomputing(
+    solver, opts, link_bytes_per_s, overlap, offloads
 ):
     """A fast host link (1 GB/s: 1 ms per MiB, against a second to recompute a node) makes
     offload the cheaper way to fit the budget; a slow one (1e4 B/s: 105 s per MiB) does not,
-    and dp recomputes instead. Without the option dp never offloads."""
+    and the solver recomputes instead (at a budget that non-nested regions, ilp's, reach). By
+    default it offloads only where the graph's device has a host link (never on a CPU's graph,
+    even where offloading would be cheaper)."""
+    solve = functools.partial(get_solver(solver), **opts)
     graph = _matmul_chain(link_bytes_per_s, overlap)
     eager = simulate(graph, Schedule()).peak_bytes
-    budget = 0.6 * eager
-    got = solve_dp(graph, budget, offload=True)
+    budget = 0.7 * eager
+    got = solve(graph, budget, offload=True)
     kinds = {r.kind for r in got.regions}
     sim = simulate(graph, got)
     assert sim.peak_bytes <= budget
     assert ("offload" in kinds) is offloads, got.regions
     assert (sim.recompute_time_s == 0) is offloads
-    plain = simulate(graph, solve_dp(graph, budget))
+    assert not graph.host_link
+    plain = simulate(graph, solve(graph, budget))
     assert plain.offload_bytes == 0
     assert sim.step_time_s <= plain.step_time_s
+    assert solve(replace(graph, host_link=True), budget).regions == got.regions
 
 
 def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():

@@ -4,6 +4,7 @@ optimal against brute force over span-only schedules; solvers that cannot keep t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from planner.solvers.errors import InfeasibleBudgetError, UnsupportedModelError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import InvalidScheduleError, simulate
-from tests.solvers.brute import families, score_all
+from tests.solvers.brute import assert_matches, families, score_all
 from tests.solvers.synthetic import random_chain, random_dag
 
 
@@ -40,17 +41,19 @@ def _span_only(graph):
 def test_dp_is_optimal_over_span_only_schedules(seed, n, dag):
     rng = random.Random(seed)
     graph = _with_spans((random_dag if dag else random_chain)(rng, n), rng)
-    _assert_dp_matches(graph, _span_only(graph), rng)
+    # brute force has no selective regions
+    assert_matches(functools.partial(solve_dp, selective=False), graph, _span_only(graph), rng)
 
 
-def _span_only_offload(graph):
+def _span_only_offload(graph, max_depth=None):
     """Brute force over span-only schedules, offload regions (top level) included."""
     spans = graph.region_spans
-    scored = score_all(dataclasses.replace(graph, region_spans=None), offload=True)
+    scored = score_all(dataclasses.replace(graph, region_spans=None), max_depth, offload=True)
     entries = tuple(e for e in scored.entries if all((r.start, r.stop) in spans for r in e[2]))
     return dataclasses.replace(scored, entries=entries)
 
 
+@pytest.mark.parametrize("solver", ["dp", "ilp"])
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -59,20 +62,28 @@ def _span_only_offload(graph):
     link=st.sampled_from((1e8, 1e10)),
     overlap=st.sampled_from((0.0, 1.0)),
 )
-def test_dp_with_offload_is_optimal_over_span_only_schedules(seed, n, dag, link, overlap):
+def test_dp_and_ilp_with_offload_are_optimal_over_span_only_schedules(
+    solver, seed, n, dag, link, overlap
+):
     """Offload regions on module spans (the in-place form runs them): dp's least budget and
-    the time it adds to the step are brute force's at every budget."""
+    the time it adds to the step are brute force's at every budget; so are ilp's (its MILP
+    alone, no warm start from dp) over non-nested span schedules."""
     rng = random.Random(seed)
     graph = _with_spans((random_dag if dag else random_chain)(rng, n), rng)
     graph = dataclasses.replace(graph, offload_bytes_per_s=link, offload_overlap=overlap)
-    _assert_dp_matches(graph, _span_only_offload(graph), rng, offload=True)
+    if solver == "dp":
+        solve, max_depth = functools.partial(solve_dp, selective=False, offload=True), None
+    else:
+        solve, max_depth = functools.partial(solve_ilp, offload=True, warm=False, rel_gap=0.0), 1
+    assert_matches(solve, graph, _span_only_offload(graph, max_depth), rng, offload=True)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 6))
-def test_dp_selective_regions_and_ilp_keep_to_spans(seed, n):
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 6), host_link=st.booleans())
+def test_dp_selective_regions_and_ilp_keep_to_spans(seed, n, host_link):
+    """With a host link, their offload regions too."""
     rng = random.Random(seed)
-    graph = _with_spans(random_dag(rng, n), rng)
+    graph = dataclasses.replace(_with_spans(random_dag(rng, n), rng), host_link=host_link)
     eager = simulate(graph, Schedule()).peak_bytes
     budget = rng.randint(eager // 2, eager)
     for solve in (solve_dp, solve_ilp, get_solver("auto")):
@@ -104,27 +115,3 @@ def test_solvers_that_ignore_spans_refuse_clearly(name):
         pass  # nothing within budget to place anywhere
     else:
         assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
-
-
-def _assert_dp_matches(graph, scored, rng, offload: bool = False) -> None:
-    """dp on module spans against brute force's ``scored`` span-only schedules: the same least
-    budget, and at each budget its cost (recompute time, or with ``offload`` the time added to
-    the step), proven optimal when it does not offload."""
-    eager = simulate(graph, Schedule()).peak_bytes
-    for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager), eager):
-        want = scored.best(budget)
-        try:
-            # brute force has no selective; offload only where it scores offload too
-            got = solve_dp(graph, budget, selective=False, **({"offload": True} if offload else {}))
-        except InfeasibleBudgetError as e:
-            assert want is None, f"dp found nothing, brute force found {want[1].regions}"
-            assert e.min_bytes == scored.least_bytes
-            continue
-        assert want is not None, got.regions
-        assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
-        sim = simulate(graph, got)
-        assert sim.peak_bytes <= budget
-        cost_s = sim.step_time_s - graph.step_time_s if offload else sim.recompute_time_s
-        assert cost_s == pytest.approx(want[0], abs=1e-9), (got.regions, want[1])
-        if not offload:
-            assert got.gap == 0.0
