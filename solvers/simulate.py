@@ -360,6 +360,11 @@ class _Replay:
                 return  # the first forward's copy is still alive and is reused
             self._hold(key, t.size_bytes, 1)  # never released: lives to the end of the step
         fwd_users = sum(1 for u in set(t.users) if start <= u < run_stop and u > t.producer)
+        if ctx is not ROOT and any(run_stop <= u < stop for u in t.users):
+            # See Rule 5: a reader the stopped recomputation never reaches still has it in a
+            # variable of the interrupted forward, freed as the stop unwinds that frame.
+            self._hold(key, t.size_bytes, 1)
+            self._later(ctx, ("recompute_end",), key)
         if t.freed_after > t.producer and t.freed_after not in t.users:
             if start <= t.freed_after < run_stop:
                 fwd_users += 1
