@@ -14,7 +14,11 @@ Rule 2. A region drops what its nodes save, but keeps its arguments (the storage
 Rule 3. Nested arguments. The arguments of a region nested in a recomputation are tensors its
         parent recovered: they live until the nested region's own recomputation ends, longer
         only if a node in it saves them (checkpoint.py's Rule 2: inner inputs are saved to the
-        parent, which hands them over when the inner checkpoint recomputes).
+        parent, which hands them over when the inner checkpoint recomputes). The same holds one
+        level down for an argument the nested region passes on: its recomputation saves it
+        again for each region nested in it that reads it, so a storage read two or more
+        levels down lives until the last of those recomputations ends (or, when a node in one
+        of them saves it, until that region's backward ends).
 Rule 4. Backward runs in reverse node order. On reaching a region's last node, its forward runs
         again (nested regions inside it stay checkpointed; the region outputs it recomputes live
         until that recomputation ends) and its backward follows. Each node's backward allocates
@@ -59,7 +63,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from planner.solvers.costgraph import BufferChange, CostGraph, Region, Schedule
+from planner.solvers.costgraph import BufferChange, CostGraph, Region, Schedule, Tensor
 from planner.solvers.cuts import forbidden_cuts
 
 ROOT = Region(0, 0, depth=-1)
@@ -367,11 +371,7 @@ class _Replay:
             if ctx is ROOT or region.kind == "offload" or any(s in region for s in t.saved_by):
                 kept_for.add(region)  # the checkpoint keeps its arguments
             else:
-                # Inside a recomputation a nested checkpoint's arguments are tensors its parent
-                # recovered: handed over, and dropped by the parent, as the nested region's own
-                # recomputation begins; alive after it only if something in it saves them.
-                self._hold(key, t.size_bytes, 1)
-                self._later(region, ("recompute_end",), key)
+                self._hand_down(key, t, region)
         if cached_here and here not in kept_for:
             # See Rule 6: handed back when the recomputation reaches the op, unless Rule 5 stops
             # it first.
@@ -384,6 +384,22 @@ class _Replay:
         for region in kept_for:
             self._hold(key, t.size_bytes, 1)
             self._later(ctx, ("region_end", region), key)
+
+    def _hand_down(self, key: tuple, t: Tensor, region: Region) -> None:
+        """See Rule 3: storage ``t`` is an argument of ``region``, nested in a recomputation,
+        and nothing in ``region`` saves it. It lives until ``region``'s own recomputation ends;
+        that recomputation saves it again for each region nested in it that reads it (their
+        arguments), and so on down."""
+        self._hold(key, t.size_bytes, 1)
+        self._later(region, ("recompute_end",), key)
+        for kid in self.children(region):
+            if kid.kind == "offload" or not any(u in kid for u in (*t.users, *t.saved_by)):
+                continue
+            if any(s in kid for s in t.saved_by):
+                self._hold(key, t.size_bytes, 1)  # until kid's backward unpacks it
+                self._later(region, ("region_end", kid), key)
+            else:
+                self._hand_down(key, t, kid)
 
     def backward(self, ctx: Region, label: str = "bwd") -> None:
         start, stop = (0, len(self.g.nodes)) if ctx is ROOT else (ctx.start, ctx.stop)
