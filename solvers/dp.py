@@ -93,7 +93,7 @@ from planner.solvers.simulate import (
 INF = math.inf
 # A crossing storage's flag: False (read later in the context), True (kept for backward), or
 # ARG: an argument of the region being recomputed, alive to the end of its recomputation and
-# no longer (simulate's Rule 3).
+# no longer unless a region nested in it reads it (simulate's Rule 3).
 ARG = 2
 DEFAULT_SPAN = 8
 DEFAULT_COARSE = 24
@@ -382,14 +382,21 @@ class _Programme:
 
         A checkpoint keeps its arguments (Rule 2), and everything kept for backward stays. In a
         recomputation, arguments nothing in the child saves live only to the end of the child's
-        own recomputation (Rule 3); storages that are themselves such arguments of this
-        context have died before the child recomputes."""
+        own recomputation (Rule 3), the arguments of this context among them: this
+        recomputation saves them again for the child; those the child does not read have died
+        before it recomputes."""
         p = self.p
         held, inner, args = 0, [], 0
         for t, kept in crossing:
-            if kept == ARG:
-                continue
             needed = self.needed_in(t, c, j)
+            if kept == ARG:
+                if needed:
+                    args += p.size[t]
+                    if self.saved_in(t, c, j):
+                        held += p.size[t]
+                    else:
+                        inner.append((t, ARG))
+                continue
             args += p.size[t] if needed and not kept else 0
             if kept or (needed and (root or self.saved_in(t, c, j))):
                 held += p.size[t]
@@ -550,11 +557,7 @@ class _Programme:
     def _key(self, c, b, crossing, root, whole_ok, d):
         if root:
             return ("root", c, crossing, d)
-        # An argument held to the recomputation's end (Rule 3) matters by its size alone.
-        cross = tuple(
-            (self.p.size[t],) if kept == ARG else (self._tensor_sig(t, b), kept)
-            for t, kept in crossing
-        )
+        cross = tuple((self._tensor_sig(t, b), kept) for t, kept in crossing)
         return (self.suffix_id(c, b), cross, whole_ok, d)
 
     # -- the recursion -----------------------------------------------------------------------
@@ -702,12 +705,14 @@ class _Programme:
                     continue
                 kept_bytes, nxt = 0, [(t, False) for t in surviving]
                 for t, kept in crossing:
-                    if kept == ARG:
+                    if kept == ARG and not self.needed_in(t, c, j):
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
                     elif self.last_need(t, b, root) < j:
                         kept_bytes += p.size[t]  # read inside the region: kept as its input
                     else:
-                        nxt.append((t, kept or self.needed_in(t, c, j)))
+                        # an argument of this context read inside the region is kept as its
+                        # input too, past this recomputation's end (Rule 3)
+                        nxt.append((t, kept is True or self.needed_in(t, c, j)))
                 nxt = tuple(sorted(nxt))
                 rest = self.value(j, b, nxt, root, True, depth)
                 if rest[-1] == INF:
