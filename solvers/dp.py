@@ -929,7 +929,9 @@ def least_memory_schedule(
     Solved twice: on the eager peak's grid to find it roughly, then on a grid up to that
     answer, whose finer steps round less and so reach lower."""
     cap = simulate(graph, Schedule()).peak_bytes
-    best: tuple[int, Schedule] | None = None
+    # The eager step itself, for when no schedule lowers its peak: rounded up onto the grid,
+    # none (the eager one included) then fits under it.
+    best = (cap, Schedule())
     for _ in range(2):
         solved = solve_all(graph, cap, options, deadline)
         least = solved.least_bytes()
@@ -937,7 +939,7 @@ def least_memory_schedule(
             break
         schedule = solved.schedule(least)
         peak = simulate(graph, schedule).peak_bytes
-        if best is None or peak < best[0]:
+        if peak < best[0]:
             best = (peak, schedule)
         cap = peak
     return best
