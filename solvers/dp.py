@@ -6,7 +6,8 @@ predicted step time (recompute time plus each region's bookkeeping,
 ``simulate``'s Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its
 last save, the last saving node stops after that save, and a nested region that is the last save
 is not run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule
-3: to the end of the nested region's own recomputation unless it saves them). Asserted against
+3: to the end of the nested region's own recomputation unless it saves them, and handed down to
+the regions nested in it that read them). Asserted against
 brute force (every laminar family, scored by ``simulate``) at every budget on random chains,
 DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
 (``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
