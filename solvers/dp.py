@@ -497,12 +497,14 @@ class _Programme:
         return ends
 
     # -- state keys --------------------------------------------------------------------------
-    def _tensor_sig(self, t: int, b: int) -> tuple:
+    def _tensor_sig(self, t: int, c: int, b: int) -> tuple:
+        """Storage ``t`` as a state from cut ``c`` on sees it, relative to the context's end:
+        what reads or saves it from ``c`` on (what came before is in its flag)."""
         p = self.p
         return (
             p.size[t],
-            tuple(u - b for u in p.needers[t] if u < b),
-            tuple(sorted(s - b for s in p.savers[t] if s < b)),
+            tuple(u - b for u in p.needers[t] if c <= u < b),
+            tuple(sorted(s - b for s in p.savers[t] if c <= s < b)),
             bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
             p.after_last_save[t],
         )
@@ -533,7 +535,7 @@ class _Programme:
                 self.is_bound[i],
                 self._spans_at(i, b),
                 self.early_stop and p.rule5_saves[i],
-                tuple(self._tensor_sig(t, b) for t in p.produced[i]),
+                tuple(self._tensor_sig(t, i, b) for t in p.produced[i]),
                 nxt,
             )
             nxt = self._suffix[(i, b)] = self._interned.setdefault(desc, len(self._interned))
@@ -558,7 +560,7 @@ class _Programme:
     def _key(self, c, b, crossing, root, whole_ok, d):
         if root:
             return ("root", c, crossing, d)
-        cross = tuple((self._tensor_sig(t, b), kept) for t, kept in crossing)
+        cross = tuple((self._tensor_sig(t, c, b), kept) for t, kept in crossing)
         return (self.suffix_id(c, b), cross, whole_ok, d)
 
     # -- the recursion -----------------------------------------------------------------------
@@ -978,8 +980,10 @@ def _solve_within(graph: CostGraph, budget_bytes: float, options: DPOptions, dea
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
         schedule = solved.schedule(budget_bytes)
-        if schedule is None or simulate(graph, schedule).peak_bytes > budget_bytes:
-            continue  # rounding lost it, or simulate prices selective recomputation higher
+        if schedule is None:
+            break  # rounding lost it; the space without selective regions is a subset of this
+        if simulate(graph, schedule).peak_bytes > budget_bytes:
+            continue  # simulate prices selective recomputation higher
         if solved.unit_bytes > 1:
             note += f", bytes rounded up to {solved.unit_bytes}"
         exact = every and solved.unit_bytes == 1
