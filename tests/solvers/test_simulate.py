@@ -172,6 +172,42 @@ def test_nested_regions():
     assert sim.recompute_flops == sum(FLOPS) + FLOPS[0] + FLOPS[1]
 
 
+def test_argument_read_two_levels_down_lives_until_the_innermost_recomputation_ends():
+    # n0 -> a (8 B), read by n1 and by n3 (a skip); n1 -> b (4 B, saved by n2); n2 -> c (2 B,
+    # saved by n3); n3 -> d (1 B, the output). Regions [0, 4) > [1, 4) > [3, 4), Rule 5 on.
+    # The outer recomputation runs n0 and stops saving [1, 4)'s argument a; that one's
+    # recomputation runs n1, n2 and stops saving [3, 4)'s arguments, a among them again
+    # (checkpoint.py's Rule 2, one level down): a lives through [3, 4)'s recomputation, the
+    # peak (GPT-ref's qkv storage under a nest in the attention).
+    nodes = tuple(
+        Node(name=f"n{i}", inputs=ins, saves_for_backward=i >= 2)
+        for i, ins in enumerate(((), (0,), (1,), (0, 2)))
+    )
+    tensors = (
+        Tensor("a", 8, producer=0, users=(1, 3)),
+        Tensor("b", 4, producer=1, users=(2,), saved_by=(2,)),
+        Tensor("c", 2, producer=2, users=(3,), saved_by=(3,)),
+        Tensor("d", 1, producer=3, is_output=True),
+    )
+    graph = CostGraph(nodes=nodes, tensors=tensors)
+    sim = run([Region(0, 4, 0), Region(1, 4, 1), Region(3, 4, 2)], graph)
+    assert sim.timeline == (
+        ("fwd:n0", 8),
+        ("fwd:n1", 12),
+        ("fwd:n2", 14),
+        ("fwd:n3", 11),
+        ("recompute:n0", 8),
+        ("recompute:n1", 12),
+        ("recompute:n2", 14),
+        ("recompute:n3", 15),  # a (8), b and c (saved), d
+        ("bwd:n3", 6),
+        ("bwd:n2", 4),
+        ("bwd:n1", 0),
+        ("bwd:n0", 0),
+    )
+    assert (sim.peak_bytes, sim.peak_event) == (15, "recompute:n3")
+
+
 def test_selective_region_keeps_saved_nodes():
     sim = run([Region(0, 2, kind="selective", saved_nodes=frozenset({0}))])
     # t0 is cached (n0 is a saved node); only n1 reruns, taking t0 back from the cache (torch
