@@ -351,3 +351,44 @@ def test_recomputation_runs_to_a_node_that_saves_only_a_weight():
     # gone by then: bwd:c holds b and c gradients (1000 + 20 B) and the recomputed a (20 B)
     assert events["bwd:c"] == 1040 and events["bwd:b"] == 1040
     assert sim.peak_bytes == 1040
+
+
+def stopping_nest(region_state_bytes: int) -> CostGraph:
+    """n0 -> t0 -> n1 -> t1 -> n2 -> t2 -> n3 -> t3 -> n4, and n4 reads t0 too (a residual).
+    n2 and n3 save their inputs; n1 and n4 save nothing."""
+    nodes = (
+        Node("n0", ()),
+        Node("n1", (0,)),
+        Node("n2", (1,), saves_for_backward=True),
+        Node("n3", (2,), saves_for_backward=True),
+        Node("n4", (3, 0)),
+    )
+    tensors = (
+        Tensor("t0", 10, producer=0, users=(1, 4), grad_bytes=10),
+        Tensor("t1", 20, producer=1, users=(2,), saved_by=(2,), grad_bytes=20),
+        Tensor("t2", 30, producer=2, users=(3,), saved_by=(3,), grad_bytes=30),
+        Tensor("t3", 40, producer=3, users=(4,), grad_bytes=40),
+        Tensor("t4", 50, producer=4, grad_bytes=50, is_output=True),
+    )
+    return CostGraph(nodes=nodes, tensors=tensors, region_state_bytes=region_state_bytes)
+
+
+def test_a_recomputation_stopping_at_a_nested_region_holds_what_comes_after_and_its_stash():
+    # Outer region [0, 5), n3 nested in it. The outer recomputation's last save is the nested
+    # region's argument t2, so it stops there (Rule 5), before n3 and n4. t0 has a reader past
+    # the stop (n4): it is still a variable of the interrupted forward and lives to the
+    # recomputation's end (recompute:n2 holds t0 + t1 + t2 = 60, not 50). The nested call has
+    # stashed its RNG state when it saves t2 (Rule 12): 4 B more at the stop ("recompute:n3").
+    schedule = [Region(0, 5), Region(3, 4, 1)]
+    assert ("recompute:n2", 60) in run(schedule, stopping_nest(0)).timeline
+    sim = run(schedule, stopping_nest(4))
+    assert sim.timeline[5:9] == (
+        ("recompute:n0", 22),  # t0, and three stashes: the outer's, the nested one's, fork_rng's
+        ("recompute:n1", 42),  # + t1
+        ("recompute:n2", 72),  # + t2
+        ("recompute:n3", 76),  # + the nested call's new stash, as the recomputation stops
+    )
+    # At the recomputation's end t0, fork_rng's copy and the new stash go; t1 (n2 saves it),
+    # t2 (the nested region's argument, Rule 3) and the two first-forward stashes stay, and
+    # n4's backward adds the gradients of t3 and t0.
+    assert sim.timeline[9] == ("bwd:n4", 20 + 30 + 8 + 40 + 10)
