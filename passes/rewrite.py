@@ -27,21 +27,24 @@ Why it trains exactly like the original:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import operator
 import re
 import threading
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
@@ -151,6 +154,22 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@contextlib.contextmanager
+def _outside_selective_checkpointing() -> Iterator[None]:
+    """Without selective checkpointing's dispatch modes (on top of the stack while a selective
+    region runs), which would count the ops run here as the region's and try to replay them;
+    other modes (a memory tracker's) still see them."""
+    popped = []
+    sac_modes = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    while (stack := _get_current_dispatch_mode_stack()) and isinstance(stack[-1], sac_modes):
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
+
+
 class CheckpointRegion(nn.Module):
     """Runs ``body`` (a GraphModule of the region's nodes) under one checkpoint.
 
@@ -223,9 +242,8 @@ class CheckpointRegion(nn.Module):
             calls += 1
             if calls == 1:
                 return body(*merged(state, a))
-            # Bookkeeping copies, not ops of the region: keep them out of selective
-            # checkpointing's dispatch mode, which would otherwise try to replay them.
-            with _disable_current_modes():
+            # Bookkeeping copies, not ops of the region (simulate's Rule 9 counts them).
+            with _outside_selective_checkpointing():
                 full = merged({i: v.clone() for i, v in before_args.items()}, a)
                 fresh = {k: v.clone() for k, v in before_bufs.items()}
             if not before_bufs:

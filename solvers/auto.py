@@ -57,10 +57,7 @@ class AutoOptions(SolverOptions):
     selective: SelectiveOptions = SelectiveOptions()
     uniform: UniformOptions = UniformOptions()
     greedy: GreedyOptions = GreedyOptions()
-    # At most one level of nesting: simulate over-credits some deeper nests on estimated graphs
-    # (GPT-ref at 107.2 MiB: a block's region split into two nested ones under a nested region,
-    # predicted 106.0 MiB, measured 115.3), so auto keeps to depths it predicts exactly.
-    dp: DPOptions = DPOptions(max_depth=2)
+    dp: DPOptions = DPOptions()
     ilp: ILPOptions = ILPOptions()
 
 

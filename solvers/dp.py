@@ -6,7 +6,8 @@ predicted step time (recompute time plus each region's bookkeeping,
 ``simulate``'s Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its
 last save, the last saving node stops after that save, and a nested region that is the last save
 is not run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule
-3: to the end of the nested region's own recomputation unless it saves them). Asserted against
+3: to the end of the nested region's own recomputation unless it saves them, and handed down to
+the regions nested in it that read them). Asserted against
 brute force (every laminar family, scored by ``simulate``) at every budget on random chains,
 DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
 (``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
@@ -98,7 +99,7 @@ from planner.solvers.simulate import (
 INF = math.inf
 # A crossing storage's flag: False (read later in the context), True (kept for backward), or
 # ARG: an argument of the region being recomputed, alive to the end of its recomputation and
-# no longer (simulate's Rule 3).
+# no longer unless a region nested in it reads it (simulate's Rule 3).
 ARG = 2
 DEFAULT_SPAN = 8
 DEFAULT_COARSE = 24
@@ -417,14 +418,21 @@ class _Programme:
 
         A checkpoint keeps its arguments (Rule 2), and everything kept for backward stays. In a
         recomputation, arguments nothing in the child saves live only to the end of the child's
-        own recomputation (Rule 3); storages that are themselves such arguments of this
-        context have died before the child recomputes."""
+        own recomputation (Rule 3), the arguments of this context among them: this
+        recomputation saves them again for the child; those the child does not read have died
+        before it recomputes."""
         p = self.p
         held, inner, args = 0, [], 0
         for t, kept in crossing:
-            if kept == ARG:
-                continue
             needed = self.needed_in(t, c, j)
+            if kept == ARG:
+                if needed:
+                    args += p.size[t]
+                    if self.saved_in(t, c, j):
+                        held += p.size[t]
+                    else:
+                        inner.append((t, ARG))
+                continue
             args += p.size[t] if needed and not kept else 0
             if kept or (needed and (root or self.saved_in(t, c, j))):
                 held += p.size[t]
@@ -524,12 +532,14 @@ class _Programme:
         return ends
 
     # -- state keys --------------------------------------------------------------------------
-    def _tensor_sig(self, t: int, b: int) -> tuple:
+    def _tensor_sig(self, t: int, c: int, b: int) -> tuple:
+        """Storage ``t`` as a state from cut ``c`` on sees it, relative to the context's end:
+        what reads or saves it from ``c`` on (what came before is in its flag)."""
         p = self.p
         return (
             p.size[t],
-            tuple(u - b for u in p.needers[t] if u < b),
-            tuple(sorted(s - b for s in p.savers[t] if s < b)),
+            tuple(u - b for u in p.needers[t] if c <= u < b),
+            tuple(sorted(s - b for s in p.savers[t] if c <= s < b)),
             bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
             p.after_last_save[t],
         )
@@ -560,7 +570,7 @@ class _Programme:
                 self.is_bound[i],
                 self._spans_at(i, b),
                 self.early_stop and p.rule5_saves[i],
-                tuple(self._tensor_sig(t, b) for t in p.produced[i]),
+                tuple(self._tensor_sig(t, i, b) for t in p.produced[i]),
                 nxt,
             )
             nxt = self._suffix[(i, b)] = self._interned.setdefault(desc, len(self._interned))
@@ -585,11 +595,7 @@ class _Programme:
     def _key(self, c, b, crossing, root, whole_ok, d):
         if root:
             return ("root", c, crossing, d)
-        # An argument held to the recomputation's end (Rule 3) matters by its size alone.
-        cross = tuple(
-            (self.p.size[t],) if kept == ARG else (self._tensor_sig(t, b), kept)
-            for t, kept in crossing
-        )
+        cross = tuple((self._tensor_sig(t, c, b), kept) for t, kept in crossing)
         return (self.suffix_id(c, b), cross, whole_ok, d)
 
     # -- the recursion -----------------------------------------------------------------------
@@ -788,12 +794,14 @@ class _Programme:
                     continue
                 kept_bytes, nxt = p.stash, [(t, False) for t in surviving]
                 for t, kept in crossing:
-                    if kept == ARG:
+                    if kept == ARG and not self.needed_in(t, c, j):
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
                     elif self.last_need(t, b, root) < j:
                         kept_bytes += p.size[t]  # read inside the region: kept as its input
                     else:
-                        nxt.append((t, kept or self.needed_in(t, c, j)))
+                        # an argument of this context read inside the region is kept as its
+                        # input too, past this recomputation's end (Rule 3)
+                        nxt.append((t, kept is True or self.needed_in(t, c, j)))
                 nxt = tuple(sorted(nxt))
                 rest = self.value(j, b, nxt, root, True, depth)
                 if rest[-1] == INF:
@@ -1010,7 +1018,9 @@ def least_memory_schedule(
     Solved twice: on the eager peak's grid to find it roughly, then on a grid up to that
     answer, whose finer steps round less and so reach lower."""
     cap = simulate(graph, Schedule()).peak_bytes
-    best: tuple[int, Schedule] | None = None
+    # The eager step itself, for when no schedule lowers its peak: rounded up onto the grid,
+    # none (the eager one included) then fits under it.
+    best = (cap, Schedule())
     for _ in range(2):
         solved = solve_all(graph, cap, options, deadline)
         least = solved.least_bytes()
@@ -1018,7 +1028,7 @@ def least_memory_schedule(
             break
         schedule = solved.schedule(least)
         peak = simulate(graph, schedule).peak_bytes
-        if best is None or peak < best[0]:
+        if peak < best[0]:
             best = (peak, schedule)
         cap = peak
     return best
@@ -1068,8 +1078,10 @@ def _solve_within(
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
         schedule = solved.schedule(budget_bytes)
-        if schedule is None or simulate(graph, schedule).peak_bytes > budget_bytes:
-            continue  # rounding lost it, or simulate prices selective recomputation higher
+        if schedule is None:
+            break  # rounding lost it; the space without selective regions is a subset of this
+        if simulate(graph, schedule).peak_bytes > budget_bytes:
+            continue  # simulate prices selective recomputation higher
         if solved.unit_bytes > 1:
             note += f", bytes rounded up to {solved.unit_bytes}"
         exact = every and solved.unit_bytes == 1

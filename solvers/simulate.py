@@ -14,7 +14,11 @@ Rule 2. A region drops what its nodes save, but keeps its arguments (the storage
 Rule 3. Nested arguments. The arguments of a region nested in a recomputation are tensors its
         parent recovered: they live until the nested region's own recomputation ends, longer
         only if a node in it saves them (checkpoint.py's Rule 2: inner inputs are saved to the
-        parent, which hands them over when the inner checkpoint recomputes).
+        parent, which hands them over when the inner checkpoint recomputes). The same holds one
+        level down for an argument the nested region passes on: its recomputation saves it
+        again for each region nested in it that reads it, so a storage read two or more
+        levels down lives until the last of those recomputations ends (or, when a node in one
+        of them saves it, until that region's backward ends).
 Rule 4. Backward runs in reverse node order. On reaching a region's last node, its forward runs
         again (nested regions inside it stay checkpointed; the region outputs it recomputes live
         until that recomputation ends) and its backward follows. Each node's backward allocates
@@ -28,6 +32,8 @@ Rule 5. Early stop (checkpoint.py's Rule 5). A recomputation stops once it has p
         (``Tensor.after_last_save``); when the last save is a nested region's arguments, just
         before that nested region. :func:`stop_node` says where. Graphs without
         ``Node.saves_for_backward`` (hand-built ones) are recomputed to the region's end.
+        A storage that a node past the stop reads is still a variable of the interrupted
+        forward: it lives until the recomputation ends (the stop unwinds that frame).
 Rule 6. Selective regions keep every output of their ``saved_nodes`` (SAC caches the whole
         output of a kept op). The recomputation does not run a kept node: it takes the cached
         output back as it reaches it (torch pops the cache entry), and the output then lives as
@@ -50,13 +56,17 @@ Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their 
         i's backward comes before the recomputation of a region ending at node i - 1 (FSDP2
         all-gathers a block for backward before autograd reaches the checkpoint inside it).
 Rule 12. Each checkpoint call (recompute and selective regions) stashes
-        ``CostGraph.region_state_bytes`` (the RNG state ``preserve_rng_state`` restores) as it
-        starts: in the first forward, held until that region's backward ends; in a parent's
+        ``CostGraph.region_state_bytes`` (the RNG state ``preserve_rng_state`` restores, a
+        ``torch.get_rng_state()`` tensor taken before the call saves its inputs), and its
+        frame holds it: in the first forward, until that region's backward ends; in a parent's
         recomputation, until that recomputation ends (recomputed tensors are detached, so the
-        nested call's frame dies with it). A region that saves nothing through its own
-        checkpoint (no node of its own saves, no nested region's arguments) leaves no frame
-        behind: its stash dies as its forward ends. Recomputing a region holds one more copy
-        (the state ``fork_rng`` puts back afterwards) until its recomputation ends.
+        nested call's frame dies with it), and this holds too for the nested call at which the
+        parent's recomputation stops (Rule 5: it stops as that call saves its inputs, after
+        the stash). A region that saves nothing through its own checkpoint (no node of its own
+        saves, no nested region's arguments) leaves no frame behind: its stash dies as its
+        forward ends. Recomputing a region holds one more copy (the state ``fork_rng`` puts
+        back afterwards) until its recomputation ends. (Traced on CPU against the measured
+        step, each RNG state's birth and death: tests/planner/test_nested_measured.py.)
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
@@ -67,7 +77,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from planner.solvers.costgraph import BufferChange, CostGraph, Region, Schedule
+from planner.solvers.costgraph import BufferChange, CostGraph, Region, Schedule, Tensor
 from planner.solvers.cuts import forbidden_cuts
 
 ROOT = Region(0, 0, depth=-1)
@@ -304,7 +314,18 @@ class _Replay:
                 self.apply_changes(("fwd", i))
             self._release_at(ctx, ("fwd_done", i))
         if ctx is not ROOT:
+            self._stopped_at_nested(ctx, children, last)
             self._release_at(ctx, ("recompute_end",))
+
+    def _stopped_at_nested(self, ctx: Region, children: list[Region], last: int) -> None:
+        """See Rule 12: a recomputation that stops as a nested region saves its arguments
+        (Rule 5) stops inside that region's checkpoint call, which has stashed its RNG state
+        by then: the stash lives until the recomputation ends, and counts at the stop."""
+        nested = self._owner(last + 1, children) if last + 1 < ctx.stop else None
+        stash = self.g.region_state_bytes
+        if nested is None or nested.start != last + 1 or nested.kind == "offload" or not stash:
+            return
+        self._mark(f"recompute:{self.g.nodes[nested.start].name}", stash)
 
     def _stop_node(self, region: Region, children: list[Region]) -> tuple[int, bool]:
         """See Rule 5: :func:`stop_node` for ``region`` in this replay."""
@@ -360,6 +381,11 @@ class _Replay:
                 return  # the first forward's copy is still alive and is reused
             self._hold(key, t.size_bytes, 1)  # never released: lives to the end of the step
         fwd_users = sum(1 for u in set(t.users) if start <= u < run_stop and u > t.producer)
+        if ctx is not ROOT and any(run_stop <= u < stop for u in t.users):
+            # See Rule 5: a reader the stopped recomputation never reaches still has it in a
+            # variable of the interrupted forward, freed as the stop unwinds that frame.
+            self._hold(key, t.size_bytes, 1)
+            self._later(ctx, ("recompute_end",), key)
         if t.freed_after > t.producer and t.freed_after not in t.users:
             if start <= t.freed_after < run_stop:
                 fwd_users += 1
@@ -404,11 +430,7 @@ class _Replay:
             if ctx is ROOT or region.kind == "offload" or any(s in region for s in t.saved_by):
                 kept_for.add(region)  # the checkpoint keeps its arguments
             else:
-                # Inside a recomputation a nested checkpoint's arguments are tensors its parent
-                # recovered: handed over, and dropped by the parent, as the nested region's own
-                # recomputation begins; alive after it only if something in it saves them.
-                self._hold(key, t.size_bytes, 1)
-                self._later(region, ("recompute_end",), key)
+                self._hand_down(key, t, region)
         if cached_here and here not in kept_for:
             # See Rule 6: handed back when the recomputation reaches the op, unless Rule 5 stops
             # it first.
@@ -421,6 +443,22 @@ class _Replay:
         for region in kept_for:
             self._hold(key, t.size_bytes, 1)
             self._later(ctx, ("region_end", region), key)
+
+    def _hand_down(self, key: tuple, t: Tensor, region: Region) -> None:
+        """See Rule 3: storage ``t`` is an argument of ``region``, nested in a recomputation,
+        and nothing in ``region`` saves it. It lives until ``region``'s own recomputation ends;
+        that recomputation saves it again for each region nested in it that reads it (their
+        arguments), and so on down."""
+        self._hold(key, t.size_bytes, 1)
+        self._later(region, ("recompute_end",), key)
+        for kid in self.children(region):
+            if kid.kind == "offload" or not any(u in kid for u in (*t.users, *t.saved_by)):
+                continue
+            if any(s in kid for s in t.saved_by):
+                self._hold(key, t.size_bytes, 1)  # until kid's backward unpacks it
+                self._later(region, ("region_end", kid), key)
+            else:
+                self._hand_down(key, t, kid)
 
     def backward(self, ctx: Region, label: str = "bwd") -> None:
         start, stop = (0, len(self.g.nodes)) if ctx is ROOT else (ctx.start, ctx.stop)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.solvers.costgraph import Schedule
+from planner.solvers.costgraph import CostGraph, Node, Schedule, Tensor
 from planner.solvers.dp import DPOptions, least_peak, solve_all, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import get_solver
@@ -207,6 +207,26 @@ def test_dp_and_ilp_offload_when_the_transfer_is_cheaper_than_recomputing(
     assert plain.offload_bytes == 0
     assert sim.step_time_s <= plain.step_time_s
     assert solve(replace(graph, host_link=True), budget).regions == got.regions
+
+
+def test_a_peak_no_schedule_lowers_is_refused_with_the_eager_peak_as_least():
+    # n0's parameter gradients (1 MB) peak at its backward whatever is recomputed, and on the
+    # budget's grid (1 unit = 489 B) rounding up puts even the eager step above that peak:
+    # dp's least-memory search found nothing there and raised a TypeError.
+    nodes = tuple(
+        Node(name=f"n{i}", inputs=(i - 1,) if i else (), param_grad_bytes=0 if i else 10**6)
+        for i in range(3)
+    )
+    tensors = tuple(
+        Tensor(f"t{i}", 1001, producer=i, users=(i + 1,), saved_by=(i + 1,), grad_bytes=1001)
+        for i in range(2)
+    ) + (Tensor("t2", 1001, producer=2, grad_bytes=1001, is_output=True),)
+    graph = CostGraph(nodes=nodes, tensors=tensors)
+    eager = simulate(graph, Schedule()).peak_bytes
+    assert simulate(graph, Schedule()).peak_event == "bwd:n0"
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_dp(graph, eager - 1)
+    assert info.value.min_bytes == eager
 
 
 def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():

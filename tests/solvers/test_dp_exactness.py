@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.solvers.costgraph import Schedule
+from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.dp import DPOptions, solve_all, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.simulate import simulate
@@ -68,14 +68,19 @@ def test_dp_equals_brute_force_under_simulate(seed, n, kind, early_stop):
     _assert_dp_equals_brute_force(graph)
 
 
-def test_dp_reaches_brute_forces_least_with_three_nested_regions():
-    # Found by the test above before dp priced nested arguments as simulate's Rule 3 does
-    # (dp's least was 149 B): brute force's least needs three nested regions.
+def test_nests_that_pass_a_skip_two_levels_down_pay_for_it():
+    # Node 0's 54 B output is read by nodes 1 and 3. Nested [0, 4) > [1, 4) > [1, 2) was this
+    # graph's least at 132 B while simulate let it die when [1, 4)'s recomputation ended; but
+    # that recomputation saves it again as [1, 2)'s argument (Rule 3), so the nest costs
+    # 151 B and one region, [0, 2), is the least (149 B). dp and brute force agree on it.
     graph = random_dag(random.Random(0), 4)
+    assert graph.tensors[0].size_bytes == 54 and graph.tensors[0].users == (1, 3)
     _assert_dp_equals_brute_force(graph)
+    nest = (Region(0, 4, 0), Region(1, 4, 1), Region(1, 2, 2))
+    assert simulate(graph, Schedule(nest)).peak_bytes == 151
     solved = solve_all(graph, 150, DPOptions(max_span=None, grid=150, selective=False))
-    assert solved.least_bytes() == 132
-    assert max(r.depth for r in solved.schedule(132).regions) == 2
+    assert solved.least_bytes() == 149
+    assert solved.schedule(149).regions == (Region(0, 2, 0),)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

@@ -172,6 +172,42 @@ def test_nested_regions():
     assert sim.recompute_flops == sum(FLOPS) + FLOPS[0] + FLOPS[1]
 
 
+def test_argument_read_two_levels_down_lives_until_the_innermost_recomputation_ends():
+    # n0 -> a (8 B), read by n1 and by n3 (a skip); n1 -> b (4 B, saved by n2); n2 -> c (2 B,
+    # saved by n3); n3 -> d (1 B, the output). Regions [0, 4) > [1, 4) > [3, 4), Rule 5 on.
+    # The outer recomputation runs n0 and stops saving [1, 4)'s argument a; that one's
+    # recomputation runs n1, n2 and stops saving [3, 4)'s arguments, a among them again
+    # (checkpoint.py's Rule 2, one level down): a lives through [3, 4)'s recomputation, the
+    # peak (GPT-ref's qkv storage under a nest in the attention).
+    nodes = tuple(
+        Node(name=f"n{i}", inputs=ins, saves_for_backward=i >= 2)
+        for i, ins in enumerate(((), (0,), (1,), (0, 2)))
+    )
+    tensors = (
+        Tensor("a", 8, producer=0, users=(1, 3)),
+        Tensor("b", 4, producer=1, users=(2,), saved_by=(2,)),
+        Tensor("c", 2, producer=2, users=(3,), saved_by=(3,)),
+        Tensor("d", 1, producer=3, is_output=True),
+    )
+    graph = CostGraph(nodes=nodes, tensors=tensors)
+    sim = run([Region(0, 4, 0), Region(1, 4, 1), Region(3, 4, 2)], graph)
+    assert sim.timeline == (
+        ("fwd:n0", 8),
+        ("fwd:n1", 12),
+        ("fwd:n2", 14),
+        ("fwd:n3", 11),
+        ("recompute:n0", 8),
+        ("recompute:n1", 12),
+        ("recompute:n2", 14),
+        ("recompute:n3", 15),  # a (8), b and c (saved), d
+        ("bwd:n3", 6),
+        ("bwd:n2", 4),
+        ("bwd:n1", 0),
+        ("bwd:n0", 0),
+    )
+    assert (sim.peak_bytes, sim.peak_event) == (15, "recompute:n3")
+
+
 def test_selective_region_keeps_saved_nodes():
     sim = run([Region(0, 2, kind="selective", saved_nodes=frozenset({0}))])
     # t0 is cached (n0 is a saved node); only n1 reruns, taking t0 back from the cache (torch
@@ -315,3 +351,44 @@ def test_recomputation_runs_to_a_node_that_saves_only_a_weight():
     # gone by then: bwd:c holds b and c gradients (1000 + 20 B) and the recomputed a (20 B)
     assert events["bwd:c"] == 1040 and events["bwd:b"] == 1040
     assert sim.peak_bytes == 1040
+
+
+def stopping_nest(region_state_bytes: int) -> CostGraph:
+    """n0 -> t0 -> n1 -> t1 -> n2 -> t2 -> n3 -> t3 -> n4, and n4 reads t0 too (a residual).
+    n2 and n3 save their inputs; n1 and n4 save nothing."""
+    nodes = (
+        Node("n0", ()),
+        Node("n1", (0,)),
+        Node("n2", (1,), saves_for_backward=True),
+        Node("n3", (2,), saves_for_backward=True),
+        Node("n4", (3, 0)),
+    )
+    tensors = (
+        Tensor("t0", 10, producer=0, users=(1, 4), grad_bytes=10),
+        Tensor("t1", 20, producer=1, users=(2,), saved_by=(2,), grad_bytes=20),
+        Tensor("t2", 30, producer=2, users=(3,), saved_by=(3,), grad_bytes=30),
+        Tensor("t3", 40, producer=3, users=(4,), grad_bytes=40),
+        Tensor("t4", 50, producer=4, grad_bytes=50, is_output=True),
+    )
+    return CostGraph(nodes=nodes, tensors=tensors, region_state_bytes=region_state_bytes)
+
+
+def test_a_recomputation_stopping_at_a_nested_region_holds_what_comes_after_and_its_stash():
+    # Outer region [0, 5), n3 nested in it. The outer recomputation's last save is the nested
+    # region's argument t2, so it stops there (Rule 5), before n3 and n4. t0 has a reader past
+    # the stop (n4): it is still a variable of the interrupted forward and lives to the
+    # recomputation's end (recompute:n2 holds t0 + t1 + t2 = 60, not 50). The nested call has
+    # stashed its RNG state when it saves t2 (Rule 12): 4 B more at the stop ("recompute:n3").
+    schedule = [Region(0, 5), Region(3, 4, 1)]
+    assert ("recompute:n2", 60) in run(schedule, stopping_nest(0)).timeline
+    sim = run(schedule, stopping_nest(4))
+    assert sim.timeline[5:9] == (
+        ("recompute:n0", 22),  # t0, and three stashes: the outer's, the nested one's, fork_rng's
+        ("recompute:n1", 42),  # + t1
+        ("recompute:n2", 72),  # + t2
+        ("recompute:n3", 76),  # + the nested call's new stash, as the recomputation stops
+    )
+    # At the recomputation's end t0, fork_rng's copy and the new stash go; t1 (n2 saves it),
+    # t2 (the nested region's argument, Rule 3) and the two first-forward stashes stay, and
+    # n4's backward adds the gradients of t3 and t0.
+    assert sim.timeline[9] == ("bwd:n4", 20 + 30 + 8 + 40 + 10)
