@@ -50,6 +50,7 @@ from planner.passes.estimate import (
     _Tracker,
     device_fields,
     node_tags,
+    roofline_graph,
     storage_records,
     with_measured_times,
 )
@@ -379,23 +380,8 @@ def _build(tracker: _OpTracker, seq_lens: set[int], rates: DeviceProfile) -> Cos
                 saves_for_backward=i in tracker.allocated_at_last_save,
             )
         )
-    meta = {
-        "estimator": "fake tensors, eager",
-        "device": rates.name,
-        "rates": f"{rates.flops_per_s:.3g} FLOP/s, {rates.bytes_per_s:.3g} B/s",
-        "timing": "roofline",
-    }
-    if tracker.sdpa_backends:
-        meta["sdpa_backend"] = ",".join(sorted(tracker.sdpa_backends))
-    return CostGraph(
-        nodes=tuple(nodes),
-        tensors=tuple(tensors),
-        flops_per_s=rates.flops_per_s,
-        bytes_per_s=rates.bytes_per_s,
-        offload_bytes_per_s=rates.host_bytes_per_s,
-        grad_buffers=tuple(buffers),
-        meta=meta,
-    )
+    backends = ",".join(sorted(tracker.sdpa_backends)) or None
+    return roofline_graph(nodes, tensors, buffers, rates, "fake tensors, eager", backends)
 
 
 def _attention(tracker: _OpTracker, seq_lens: set[int]) -> set[int]:

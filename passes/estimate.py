@@ -626,18 +626,32 @@ def _build(
                 fwd_calls=tracker.call_counts.get(("fwd", i), 0),
             )
         )
+    # Which fused-attention kernel the prices assume: math materialises the S x S scores,
+    # flash / memory-efficient keep only the output and a log-sum-exp per row.
+    backends = ",".join(sorted(tracker.sdpa_backends)) or ("math" if sdpa_backend else None)
+    return roofline_graph(out_nodes, tensors, buffers, rates, "fake tensors", backends)
+
+
+def roofline_graph(
+    nodes: list[Node],
+    tensors: list[Tensor],
+    buffers: list[GradBuffer],
+    rates: DeviceProfile,
+    estimator: str,
+    sdpa_backend: str | None,
+) -> CostGraph:
+    """The CostGraph of priced nodes and storages, timed by ``rates``' roofline (until
+    :func:`with_measured_times`), with what priced it in ``meta``."""
     meta = {
-        "estimator": "fake tensors",
+        "estimator": estimator,
         "device": rates.name,
         "rates": f"{rates.flops_per_s:.3g} FLOP/s, {rates.bytes_per_s:.3g} B/s",
         "timing": "roofline",
     }
-    if tracker.sdpa_backends or sdpa_backend:
-        # Which fused-attention kernel the prices assume: math materialises the S x S scores,
-        # flash / memory-efficient keep only the output and a log-sum-exp per row.
-        meta["sdpa_backend"] = ",".join(sorted(tracker.sdpa_backends)) or "math"
+    if sdpa_backend:
+        meta["sdpa_backend"] = sdpa_backend
     return CostGraph(
-        nodes=tuple(out_nodes),
+        nodes=tuple(nodes),
         tensors=tuple(tensors),
         flops_per_s=rates.flops_per_s,
         bytes_per_s=rates.bytes_per_s,
