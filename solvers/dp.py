@@ -359,6 +359,10 @@ class _Programme:
         self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
         self._end = _value_array(self.size, 0.0)
         self._keys: dict[tuple, tuple] = {}
+        # Memos of what does not depend on the crossing state: a scan keeps hundreds of storages
+        # crossing, and the same (tensor, context end) or selective region recurs in many states.
+        self._sigs: dict[tuple[int, int], tuple] = {}
+        self._selective: dict[tuple[int, int, int, tuple[int, ...]], tuple] = {}
         # See simulate's Rule 5: recomputations stop after the last node that saves; the last
         # such node before each cut (-1: none).
         self.early_stop = p.rule5_saves is not None
@@ -397,9 +401,6 @@ class _Programme:
         k = bisect.bisect_left(ns, c)
         return k < len(ns) and ns[k] < j
 
-    def saved_in(self, t: int, c: int, j: int) -> bool:
-        return any(c <= s < j for s in self.p.savers[t])
-
     def bwd_max(self, c: int, b: int) -> int:
         """Most units the backward of a node in [c, b) adds to what is kept (gradient buffers,
         relative to the context's, and its working set): the backward of nodes a stopped
@@ -411,23 +412,38 @@ class _Programme:
             self._bwd_max[(c, b)] = got
         return got
 
-    def child_args(self, c: int, j: int, crossing: tuple, root: bool) -> tuple[int, tuple, int]:
-        """A child region [c, j) of this context: (units held through its recomputation and
-        backward, the crossing its own context starts with, units of its arguments).
+    def crossing_info(self, c: int, b: int, crossing: tuple, root: bool) -> list[tuple]:
+        """Per crossing storage of a state at cut c: (tensor, kept, size, its first reader or
+        saver from c on, its first saver from c on, its last need in the context), so that
+        each region [c, j) the state tries asks ``< j`` instead of searching again."""
+        p = self.p
+        never = p.n + 1
+        out = []
+        for t, kept in crossing:
+            ns = p.needers[t]
+            k = bisect.bisect_left(ns, c)
+            need_at = ns[k] if k < len(ns) else never
+            save_at = min((s for s in p.savers[t] if s >= c), default=never)
+            out.append((t, kept, p.size[t], need_at, save_at, self.last_need(t, b, root)))
+        return out
+
+    def child_args(self, j: int, info: list[tuple], root: bool) -> tuple[int, tuple, int]:
+        """A child region [c, j) of this context (``info``: :meth:`crossing_info` at c): (units
+        held through its recomputation and backward, the crossing its own context starts
+        with, units of its arguments).
 
         A checkpoint keeps its arguments (Rule 2), and everything kept for backward stays. In a
         recomputation, arguments nothing in the child saves live only to the end of the child's
         own recomputation (Rule 3); storages that are themselves such arguments of this
         context have died before the child recomputes."""
-        p = self.p
         held, inner, args = 0, [], 0
-        for t, kept in crossing:
+        for t, kept, size, need_at, save_at, _ in info:
             if kept == ARG:
                 continue
-            needed = self.needed_in(t, c, j)
-            args += p.size[t] if needed and not kept else 0
-            if kept or (needed and (root or self.saved_in(t, c, j))):
-                held += p.size[t]
+            needed = need_at < j
+            args += size if needed and not kept else 0
+            if kept or (needed and (root or save_at < j)):
+                held += size
             elif needed:
                 inner.append((t, ARG))
         return held, tuple(sorted(inner)), args
@@ -459,44 +475,20 @@ class _Programme:
         p, root = self.p, True
         if not keep:
             return best
-        keep_set = set(keep)
-        # Selective checkpointing caches every output of a kept op, whether backward reads it
-        # or not (simulate's model): all of them stay alive to the region's backward.
-        cached = [t for i in keep for t in p.produced[i]]
-        cached_set = set(cached)
-        # The first forward through [c, j): cached outputs stay alive past their last use.
-        cross_bytes = sum(p.size[t] for t, _ in crossing)
-        alive, fwd, ends = 0, 0, {}
-        for i in range(c, j):
-            for t in p.produced[i]:
-                alive += p.size[t]
-                if t not in cached_set:
-                    end = self.last_need(t, b, root)
-                    ends[end] = ends.get(end, 0) + p.size[t]
-            fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
-            alive -= ends.pop(i, 0)
-        # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
-        inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
+        fwd_own, inner, cached_bytes, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep)
+        fwd = sum(p.size[t] for t, _ in crossing) + fwd_own
         held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-        held += sum(p.size[t] for t in cached) + 2 * p.stash
-        kept_bytes, nxt = p.stash, []
+        held += cached_bytes + 2 * p.stash
+        kept_bytes, nxt = p.stash + own_kept, list(own_nxt)
         for t, kept in crossing:
             if self.last_need(t, b, root) < j:
                 kept_bytes += p.size[t]
             else:
                 nxt.append((t, kept or self.needed_in(t, c, j)))
-        for i in range(c, j):
-            for t in p.produced[i]:
-                if self.last_need(t, b, root) >= j:
-                    nxt.append((t, t in cached_set))
-                elif t in cached_set:
-                    kept_bytes += p.size[t]  # cached until the region's backward ends
         nxt = tuple(sorted(nxt))
         rest = self.value(j, b, nxt, root, True, 0)
         if rest[-1] == INF:
             return best
-        cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
-        cost += p.overhead_s(c, j, "selective")
         need = max(fwd, held + p.grad_after[j] + inner)
         v = _shifted(rest, kept_bytes) + cost
         v[: max(need, 0)] = INF
@@ -508,6 +500,47 @@ class _Programme:
             choice[better] = len(options) - 1
             np.minimum(best, v, out=best)
         return best
+
+    def selective_parts(self, c: int, j: int, b: int, keep: tuple[int, ...]) -> tuple:
+        """What a selective region [c, j) at the root costs whatever crosses into it, memoised:
+        (its first forward's peak above the crossing, its recomputation and backward's peak
+        relative to the gradients then, bytes it caches, bytes of its own storages it leaves
+        kept, those crossing its end, its recomputation's and overhead's time)."""
+        key = (c, j, b, keep)
+        got = self._selective.get(key)
+        if got is not None:
+            return got
+        p, root = self.p, True
+        keep_set = set(keep)
+        # Selective checkpointing caches every output of a kept op, whether backward reads it
+        # or not (simulate's model): all of them stay alive to the region's backward.
+        cached = [t for i in keep for t in p.produced[i]]
+        cached_set = set(cached)
+        # The first forward through [c, j): cached outputs stay alive past their last use.
+        alive, fwd, ends = 0, 0, {}
+        for i in range(c, j):
+            for t in p.produced[i]:
+                alive += p.size[t]
+                if t not in cached_set:
+                    end = self.last_need(t, b, root)
+                    ends[end] = ends.get(end, 0) + p.size[t]
+            fwd = max(fwd, alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
+            alive -= ends.pop(i, 0)
+        # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
+        inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
+        own_kept, own_nxt = 0, []
+        for i in range(c, j):
+            for t in p.produced[i]:
+                if self.last_need(t, b, root) >= j:
+                    own_nxt.append((t, t in cached_set))
+                elif t in cached_set:
+                    own_kept += p.size[t]  # cached until the region's backward ends
+        cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
+        cost += p.overhead_s(c, j, "selective")
+        cached_bytes = sum(p.size[t] for t in cached)
+        got = (fwd, inner, cached_bytes, own_kept, tuple(own_nxt), cost)
+        self._selective[key] = got
+        return got
 
     def region_ends(self, c: int, b: int) -> list[int]:
         """Ends j of regions starting at c: any within ``max_span`` nodes, and the coarse cuts
@@ -525,14 +558,17 @@ class _Programme:
 
     # -- state keys --------------------------------------------------------------------------
     def _tensor_sig(self, t: int, b: int) -> tuple:
-        p = self.p
-        return (
-            p.size[t],
-            tuple(u - b for u in p.needers[t] if u < b),
-            tuple(sorted(s - b for s in p.savers[t] if s < b)),
-            bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
-            p.after_last_save[t],
-        )
+        got = self._sigs.get((t, b))
+        if got is None:
+            p = self.p
+            got = self._sigs[(t, b)] = (
+                p.size[t],
+                tuple(u - b for u in p.needers[t] if u < b),
+                tuple(sorted(s - b for s in p.savers[t] if s < b)),
+                bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
+                p.after_last_save[t],
+            )
+        return got
 
     def suffix_id(self, c: int, b: int) -> int:
         """Interned description of nodes [c, b) relative to ``b`` and to its gradient base.
@@ -747,8 +783,9 @@ class _Programme:
             cross_bytes = sum(p.size[t] for t, _ in crossing)
             ends = self.region_ends(c, b)
             peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c)
-            surviving: list[int] = []  # produced in [c, j), still needed at j or later
+            surviving: list[tuple[int, int]] = []  # (storage, last need) made in [c, j)
             last = c
+            info = self.crossing_info(c, b, crossing, root) if ends else []
             for j in ends:
                 if j == b and not whole_ok:
                     break
@@ -756,10 +793,10 @@ class _Programme:
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
                 for i in range(last, j):
-                    surviving += p.produced[i]
+                    surviving += [(t, self.last_need(t, b, root)) for t in p.produced[i]]
                 last = j
-                surviving = [t for t in surviving if self.last_need(t, b, root) >= j]
-                held, inner_crossing, args = self.child_args(c, j, crossing, root)
+                surviving = [(t, end) for t, end in surviving if end >= j]  # still needed at j
+                held, inner_crossing, args = self.child_args(j, info, root)
                 inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
                 inner_shift += p.stash  # its own stash, to its backward's end
@@ -786,14 +823,14 @@ class _Programme:
                 inner = self.value(c, j, inner_crossing, False, False, depth + 1)
                 if inner[-1] == INF:
                     continue
-                kept_bytes, nxt = p.stash, [(t, False) for t in surviving]
-                for t, kept in crossing:
+                kept_bytes, nxt = p.stash, [(t, False) for t, _ in surviving]
+                for t, kept, t_size, need_at, _, end in info:
                     if kept == ARG:
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
-                    elif self.last_need(t, b, root) < j:
-                        kept_bytes += p.size[t]  # read inside the region: kept as its input
+                    elif end < j:
+                        kept_bytes += t_size  # read inside the region: kept as its input
                     else:
-                        nxt.append((t, kept or self.needed_in(t, c, j)))
+                        nxt.append((t, kept or need_at < j))
                 nxt = tuple(sorted(nxt))
                 rest = self.value(j, b, nxt, root, True, depth)
                 if rest[-1] == INF:
