@@ -60,12 +60,12 @@ span at the top level; the space is then every laminar family of spans.
 Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
 (:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the note says
 so. :func:`solve_dp` is anytime: on a graph with twice FIRST_STAGES boundaries or more it solves
-coarse to fine (FIRST_STAGES stages, doubling, up to ``max_bounds``: :func:`stage_levels`),
-keeps the best schedule any level found, and answers with it when the time limit
-(``DPOptions.time_limit_s``) cuts the next level short; the note names the space of the level
-that answered and what was cut short. The programme assumes every tensor a node saves is one
-it reads or produces (true of autograd). :func:`solve_dp` replays its answer through
-``simulate``.
+coarse to fine (FIRST_STAGES stages, times LEVEL_GROWTH, up to ``max_bounds``:
+:func:`stage_levels`), keeps the best schedule any level found, and answers with it when the
+time limit (``DPOptions.time_limit_s``) cuts the next level short or leaves too little time to
+start it; the note names the space of the level that answered and what was cut short. The
+programme assumes every tensor a node saves is one it reads or produces (true of autograd).
+:func:`solve_dp` replays its answer through ``simulate``.
 """
 
 from __future__ import annotations
@@ -110,8 +110,13 @@ DEFAULT_COARSE_SPAN = 8
 # with boundaries times span cubed, and past a few hundred it no longer fits a time limit.
 DEFAULT_MAX_BOUNDS = 384
 # dp solves a graph with more region boundaries than this coarse to fine, from this many
-# stages up (doubling): an answer early, then better ones while time lasts.
+# stages up: an answer early, then better ones while time lasts.
 FIRST_STAGES = 48
+# Each level has this many times the stages of the one before. A level's work grows about
+# linearly with its stages (Mamba-128: 4.3 s at 48, 17 s at 192, 31 s at 384), so the levels
+# before the last cost a third of it when each has four times the stages, a whole one when
+# each has twice (and on Mamba the 96-stage level found nothing the 48 did not).
+LEVEL_GROWTH = 4
 # On a graph coarsened even at the finest level, refining stops once a level improves the
 # predicted step time by less than this fraction.
 REFINE_GAIN = 0.005
@@ -351,7 +356,10 @@ class _Programme:
         self.selective = selective  # top-level selective regions between coarse cuts
         self.size = grid + 1  # V[m] for m = 0..grid units
         # key -> (V, node it was computed at, options, best option per m)
-        self.memo: dict[tuple, tuple[np.ndarray, int, list, np.ndarray]] = {}
+        # key -> (V, node it was computed at, options, best option per m); a key is the
+        # state's description interned to an int (:meth:`key`), cheap to hash and to store
+        self.memo: dict[int, tuple[np.ndarray, int, list, np.ndarray]] = {}
+        self._ids: dict[tuple, int] = {}
         self._suffix: dict[tuple[int, int], int] = {}
         self._interned: dict[tuple, int] = {}
         # the last node reading or saving each storage (its producer when none does)
@@ -486,7 +494,8 @@ class _Programme:
             else:
                 nxt.append((t, kept or self.needed_in(t, c, j)))
         nxt = tuple(sorted(nxt))
-        rest = self.value(j, b, nxt, root, True, 0)
+        rest_key = self.key(j, b, nxt, root, True, 0)
+        rest = self.value_at(rest_key, j, b, nxt, root, True, 0)
         if rest[-1] == INF:
             return best
         need = max(fwd, held + p.grad_after[j] + inner)
@@ -494,9 +503,7 @@ class _Programme:
         v[: max(need, 0)] = INF
         better = v < best
         if better.any():
-            options.append(
-                ("selective", c, j, tuple(keep), self.key(j, b, nxt, root, True, 0), kept_bytes)
-            )
+            options.append(("selective", c, j, tuple(keep), rest_key, kept_bytes))
             choice[better] = len(options) - 1
             np.minimum(best, v, out=best)
         return best
@@ -608,14 +615,18 @@ class _Programme:
             return ()
         return tuple(j - b for j in self.span_ends.get(i, ()) if j <= b)
 
-    def key(self, c, b, crossing, root, whole_ok, depth):
+    def key(self, c, b, crossing, root, whole_ok, depth) -> int | None:
+        """The state's memo key (None at the context's end): states with equal descriptions
+        (:meth:`_key`) share one. A crossing is a long tuple and Python does not cache a
+        tuple's hash, so each description is hashed once here and stands for an int after."""
         if c == b:
             return None
         d = depth if self.max_depth is not None else 0
         where = (c, b, crossing, root, whole_ok, d)
         got = self._keys.get(where)
         if got is None:
-            got = self._keys[where] = self._key(c, b, crossing, root, whole_ok, d)
+            desc = self._key(c, b, crossing, root, whole_ok, d)
+            got = self._keys[where] = self._ids.setdefault(desc, len(self._ids))
         return got
 
     def _key(self, c, b, crossing, root, whole_ok, d):
@@ -738,6 +749,19 @@ class _Programme:
     ) -> np.ndarray:
         """``V[m]``: least recompute time from cut c to the context's end within m units."""
         key = self.key(c, b, crossing, root, whole_ok, depth)
+        return self.value_at(key, c, b, crossing, root, whole_ok, depth)
+
+    def value_at(
+        self,
+        key: int | None,
+        c: int,
+        b: int,
+        crossing: tuple,
+        root: bool,
+        whole_ok: bool,
+        depth: int,
+    ) -> np.ndarray:
+        """:meth:`value` of the state whose :meth:`key` is ``key``."""
         if key is None:
             return self._end
         got = self.memo.get(key)
@@ -770,14 +794,15 @@ class _Programme:
                 choice[stopped:] = len(options) - 1
                 best[stopped:] = 0.0
         if need < size:
-            rest = self.value(stop, b, nxt, root, True, depth)
-            v = _shifted(rest, kept_bytes) + (run_s(stop) - run_s(c))
-            v[:need] = INF
-            better = v < best
+            rest_key = self.key(stop, b, nxt, root, True, depth)
+            rest = self.value_at(rest_key, stop, b, nxt, root, True, depth)
+            v = _shifted(rest, kept_bytes)[need:] + (run_s(stop) - run_s(c))
+            tail = best[need:]  # below the need nothing fits
+            better = v < tail
             if better.any():
-                options.append(("run", stop, self.key(stop, b, nxt, root, True, depth), kept_bytes))
-                choice[better] = len(options) - 1
-                np.minimum(best, v, out=best)
+                options.append(("run", stop, rest_key, kept_bytes))
+                choice[need:][better] = len(options) - 1
+                np.minimum(tail, v, out=tail)
         # Nodes [c, j) form a region, for each allowed end j.
         if self.max_depth is None or depth < self.max_depth:
             cross_bytes = sum(p.size[t] for t, _ in crossing)
@@ -804,7 +829,7 @@ class _Programme:
                     # See simulate's Rule 5: the child is this recomputation's last save (its
                     # arguments), so the recomputation stops before it; the nodes after it run
                     # only their backward, with the child's arguments still alive (Rule 3).
-                    inner = self.value(c, j, inner_crossing, False, False, depth + 1)
+                    inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
                     kept = sum(p.size[t] for t, k in crossing if k is True)
                     v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
                     v[: kept + args + self.bwd_max(j, b)] = INF
@@ -820,7 +845,7 @@ class _Programme:
                     keeps = {tuple(i for i in range(c, j) if k[i]) for k in self.keep_sets}
                     for keep in sorted(keeps):
                         best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
-                inner = self.value(c, j, inner_crossing, False, False, depth + 1)
+                inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
                 if inner[-1] == INF:
                     continue
                 kept_bytes, nxt = p.stash, [(t, False) for t, _ in surviving]
@@ -832,14 +857,17 @@ class _Programme:
                     else:
                         nxt.append((t, kept or need_at < j))
                 nxt = tuple(sorted(nxt))
-                rest = self.value(j, b, nxt, root, True, depth)
+                rest_key = self.key(j, b, nxt, root, True, depth)
+                rest = self.value_at(rest_key, j, b, nxt, root, True, depth)
                 if rest[-1] == INF:
                     continue
-                v = _shifted(inner, inner_shift) + _shifted(rest, kept_bytes)
+                # only budgets from the forward's need up (below it nothing fits): the same
+                # numbers on shorter vectors
+                v = _shifted(inner, inner_shift)[fwd:] + _shifted(rest, kept_bytes)[fwd:]
                 # the child runs in this context's recomputation, and costs its own overhead
                 v += run_s(j) - run_s(c) + p.overhead_s(c, j, "recompute")
-                v[:fwd] = INF
-                better = v < best
+                tail = best[fwd:]
+                better = v < tail
                 if better.any():
                     options.append(
                         (
@@ -848,12 +876,12 @@ class _Programme:
                             j,
                             inner_key,
                             inner_shift,
-                            self.key(j, b, nxt, root, True, depth),
+                            rest_key,
                             kept_bytes,
                         )
                     )
-                    choice[better] = len(options) - 1
-                    np.minimum(best, v, out=best)
+                    choice[fwd:][better] = len(options) - 1
+                    np.minimum(tail, v, out=tail)
         if root and self.offload and (self.max_depth is None or depth < self.max_depth):
             best = self.offload_options(c, b, crossing, best, choice, options)
         self.memo[key] = (best, c, options, choice)
@@ -875,7 +903,8 @@ class _Programme:
                 sent_bytes += sum(p.size_bytes[t] for t in p.saves[i] if c <= p.producer[t] < j)
             if need >= self.size:
                 break  # the region's working set only grows with j
-            rest = self.value(j, b, nxt, True, True, 0)
+            rest_key = self.key(j, b, nxt, True, True, 0)
+            rest = self.value_at(rest_key, j, b, nxt, True, True, 0)
             if rest[-1] == INF:
                 continue
             transfer_s = exposed_transfer_s(
@@ -889,7 +918,7 @@ class _Programme:
             v[:need] = INF
             better = v < best
             if better.any():
-                options.append(("offload", c, j, self.key(j, b, nxt, True, True, 0), kept_bytes))
+                options.append(("offload", c, j, rest_key, kept_bytes))
                 choice[better] = len(options) - 1
                 np.minimum(best, v, out=best)
         return best
@@ -1105,7 +1134,9 @@ def _solve_within(
         opts = replace(options, selective=with_selective)
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
         schedule = solved.schedule(budget_bytes)
-        if schedule is None or simulate(graph, schedule).peak_bytes > budget_bytes:
+        if schedule is None:
+            break  # nothing of the space fits, nor of its part without selective regions
+        if simulate(graph, schedule).peak_bytes > budget_bytes:
             continue  # rounding lost it, or simulate prices selective recomputation higher
         if solved.unit_bytes > 1:
             note += f", bytes rounded up to {solved.unit_bytes}"
@@ -1130,9 +1161,10 @@ def _solve_within(
 
 def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
     """The stage counts (``max_bounds``) dp solves in turn, coarse to fine: FIRST_STAGES,
-    doubling while a level keeps at most half the graph's boundaries (a coarser level saves
-    little time then), then ``options.max_bounds``; one level on a graph with fewer than twice
-    FIRST_STAGES boundaries (or whose regions follow module spans, which are never staged)."""
+    times LEVEL_GROWTH while a level keeps at most half the graph's boundaries (a coarser level
+    saves little time then), then ``options.max_bounds``; one level on a graph with fewer than
+    twice FIRST_STAGES boundaries (or whose regions follow module spans, which are never
+    staged)."""
     top = options.max_bounds
     if graph.region_spans is not None:
         return [top]
@@ -1141,7 +1173,7 @@ def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
     count = FIRST_STAGES
     while 2 * count <= n_bounds and (top is None or count < top):
         levels.append(count)
-        count *= 2
+        count *= LEVEL_GROWTH
     return [*levels, top]
 
 
@@ -1160,8 +1192,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     (the note names the space that schedule was solved over, and what the time limit cut
     short). On a graph coarsened even at its finest level (more boundaries than
     ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
-    A programme cut short answers nothing: with no level done, dp answers with ``greedy``'s
-    schedule; the note says so.
+    A level predicted not to finish in the time left (the last level's seconds per stage times
+    its stages) is not started. A programme cut short answers nothing: with no level done, dp
+    answers with ``greedy``'s schedule; the note says so.
     """
     start = time.perf_counter()
     deadline = start + options.time_limit_s
@@ -1174,14 +1207,30 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     staged = top is not None and graph.region_spans is None and len(region_bounds(graph)) > top
     best: tuple[float, tuple[Region, ...], str, float | None] | None = None
     stopped = ""
+    search_end = start + 0.8 * options.time_limit_s  # the search's share, the fallback the rest
+    done: tuple[int, float] | None = None  # the last level solved: its stages and seconds
+    n_bounds = len(region_bounds(graph))
     for k, count in enumerate(levels):
         last = k == len(levels) - 1
-        try:  # the search gets 80% of the time, the fallback the rest
+        stages = n_bounds if count is None else min(count, n_bounds)
+        level_start = time.perf_counter()
+        if done is not None:
+            # A level's work grows about linearly with its stages (LEVEL_GROWTH): one that
+            # cannot finish in the time left is not started, only to be cut short.
+            predicted_s = done[1] * stages / done[0]
+            left_s = search_end - level_start
+            if predicted_s > left_s:
+                stopped = (
+                    f"; refining to {count} stages not started (about {predicted_s:.0f} s "
+                    f"predicted, {max(left_s, 0.0):.0f} s left of the {limit})"
+                )
+                break
+        try:
             regions, note, gap = _solve_within(
                 graph,
                 budget_bytes,
                 replace(options, max_bounds=count),
-                start + 0.8 * options.time_limit_s,
+                search_end,
                 eager,
                 least_memory=last and best is None,
             )
@@ -1189,7 +1238,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
             stopped = f"; refining to {count} stages cut short at the {limit}"
             break
         except _NoFit:
+            done = (stages, time.perf_counter() - level_start)
             continue
+        done = (stages, time.perf_counter() - level_start)
         step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
         if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
             if step_s < best[0]:

@@ -193,7 +193,7 @@ def test_dp_offloads_when_the_transfer_is_cheaper_than_recomputing(
 
 
 def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
-    """On a graph with more boundaries than FIRST_STAGES, dp solves 48 stages, then 96, ...
+    """On a graph with more boundaries than FIRST_STAGES, dp solves 48 stages, then 192, ...
     (each a whole programme), and answers with the best level: never worse than the coarsest
     level alone, within budget, and its note names the stage space that answered."""
     from planner.solvers.dp import FIRST_STAGES, stage_levels
@@ -201,7 +201,7 @@ def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
     graph = random_chain(random.Random(3), 600)
     eager = simulate(graph, Schedule()).peak_bytes
     budget = 0.6 * eager
-    assert stage_levels(graph, DPOptions()) == [FIRST_STAGES, 96, 192, 384]
+    assert stage_levels(graph, DPOptions()) == [FIRST_STAGES, 4 * FIRST_STAGES, 384]
     assert stage_levels(graph, DPOptions(max_bounds=FIRST_STAGES)) == [FIRST_STAGES]
     coarse = solve_dp(graph, budget, max_bounds=FIRST_STAGES, time_limit_s=600)
     refined = solve_dp(graph, budget, max_bounds=96, time_limit_s=600)  # 48, then 96
