@@ -371,6 +371,8 @@ class _Programme:
         # crossing, and the same (tensor, context end) or selective region recurs in many states.
         self._sigs: dict[tuple[int, int], tuple] = {}
         self._selective: dict[tuple[int, int, int, tuple[int, ...]], tuple] = {}
+        self._survivors: dict[tuple[int, int, bool], dict[int, list[int]]] = {}
+        self.sorted_savers = [sorted(ss) for ss in p.savers]
         # See simulate's Rule 5: recomputations stop after the last node that saves; the last
         # such node before each cut (-1: none).
         self.early_stop = p.rule5_saves is not None
@@ -420,6 +422,22 @@ class _Programme:
             self._bwd_max[(c, b)] = got
         return got
 
+    def survivors(self, c: int, b: int, root: bool, ends: list[int]) -> dict[int, list[int]]:
+        """For each end j in ``ends``: the storages made in [c, j) still needed at j or later
+        in the context ending at ``b`` (``ends``: :meth:`region_ends`, a function of c and b).
+        The same for every crossing state at c: memoised."""
+        got = self._survivors.get((c, b, root))
+        if got is None:
+            got, alive, last = {}, [], c
+            for j in ends:
+                for i in range(last, j):
+                    alive += [(t, self.last_need(t, b, root)) for t in self.p.produced[i]]
+                last = j
+                alive = [(t, end) for t, end in alive if end >= j]
+                got[j] = [t for t, _ in alive]
+            self._survivors[(c, b, root)] = got
+        return got
+
     def crossing_info(self, c: int, b: int, crossing: tuple, root: bool) -> list[tuple]:
         """Per crossing storage of a state at cut c: (tensor, kept, size, its first reader or
         saver from c on, its first saver from c on, its last need in the context), so that
@@ -431,7 +449,9 @@ class _Programme:
             ns = p.needers[t]
             k = bisect.bisect_left(ns, c)
             need_at = ns[k] if k < len(ns) else never
-            save_at = min((s for s in p.savers[t] if s >= c), default=never)
+            ss = self.sorted_savers[t]
+            k = bisect.bisect_left(ss, c)
+            save_at = ss[k] if k < len(ss) else never
             out.append((t, kept, p.size[t], need_at, save_at, self.last_need(t, b, root)))
         return out
 
@@ -808,8 +828,7 @@ class _Programme:
             cross_bytes = sum(p.size[t] for t, _ in crossing)
             ends = self.region_ends(c, b)
             peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c)
-            surviving: list[tuple[int, int]] = []  # (storage, last need) made in [c, j)
-            last = c
+            survivors = self.survivors(c, b, root, ends)
             info = self.crossing_info(c, b, crossing, root) if ends else []
             for j in ends:
                 if j == b and not whole_ok:
@@ -817,10 +836,6 @@ class _Programme:
                 fwd = cross_bytes + peaks[j - 1 - c] + p.stash
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
-                for i in range(last, j):
-                    surviving += [(t, self.last_need(t, b, root)) for t in p.produced[i]]
-                last = j
-                surviving = [(t, end) for t, end in surviving if end >= j]  # still needed at j
                 held, inner_crossing, args = self.child_args(j, info, root)
                 inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
@@ -848,7 +863,7 @@ class _Programme:
                 inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
                 if inner[-1] == INF:
                     continue
-                kept_bytes, nxt = p.stash, [(t, False) for t, _ in surviving]
+                kept_bytes, nxt = p.stash, [(t, False) for t in survivors[j]]
                 for t, kept, t_size, need_at, _, end in info:
                     if kept == ARG:
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
@@ -1209,10 +1224,10 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     stopped = ""
     search_end = start + 0.8 * options.time_limit_s  # the search's share, the fallback the rest
     done: tuple[int, float] | None = None  # the last level solved: its stages and seconds
-    n_bounds = len(region_bounds(graph))
+    bounds = tuple(region_bounds(graph))
     for k, count in enumerate(levels):
         last = k == len(levels) - 1
-        stages = n_bounds if count is None else min(count, n_bounds)
+        stages = len(stage_bounds(graph, bounds, count))
         level_start = time.perf_counter()
         if done is not None:
             # A level's work grows about linearly with its stages (LEVEL_GROWTH): one that
