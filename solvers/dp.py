@@ -1284,5 +1284,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
         detail = f"(solver 'dp', cut short at the {limit}: a longer time_limit_s may fit)"
         raise InfeasibleBudgetError(budget_bytes, least, detail)
     fallback = found
-    note = f"dp cut short at the {limit}; {fallback.solver} answered ({fallback.note})"
+    # what stopped dp: a level cut short, or one predicted not to finish in the time left
+    why = stopped.removeprefix("; ") if stopped else f"cut short at the {limit}"
+    note = f"dp {why}; {fallback.solver} answered ({fallback.note})"
     return Schedule(fallback.regions, fallback.solver, None, note)
