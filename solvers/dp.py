@@ -113,9 +113,9 @@ DEFAULT_MAX_BOUNDS = 384
 # stages up: an answer early, then better ones while time lasts.
 FIRST_STAGES = 48
 # Each level has this many times the stages of the one before. A level's work grows about
-# linearly with its stages (Mamba-128: 4.3 s at 48, 17 s at 192, 31 s at 384), so the levels
-# before the last cost a third of it when each has four times the stages, a whole one when
-# each has twice (and on Mamba the 96-stage level found nothing the 48 did not).
+# linearly with its stages (Mamba-128, CPU: 2.8 s at 48, 10.9 s at 192, 17.6 s at 384), so
+# the levels before the last cost about a third of it when each has four times the stages, a
+# whole one when each has twice (and on Mamba the 96-stage level found nothing either).
 LEVEL_GROWTH = 4
 # On a graph coarsened even at the finest level, refining stops once a level improves the
 # predicted step time by less than this fraction.
@@ -355,7 +355,6 @@ class _Programme:
         self.max_depth = max_depth
         self.selective = selective  # top-level selective regions between coarse cuts
         self.size = grid + 1  # V[m] for m = 0..grid units
-        # key -> (V, node it was computed at, options, best option per m)
         # key -> (V, node it was computed at, options, best option per m); a key is the
         # state's description interned to an int (:meth:`key`), cheap to hash and to store
         self.memo: dict[int, tuple[np.ndarray, int, list, np.ndarray]] = {}
@@ -366,7 +365,7 @@ class _Programme:
         self.last_use = [ns[-1] if ns else p.producer[t] for t, ns in enumerate(p.needers)]
         self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
         self._end = _value_array(self.size, 0.0)
-        self._keys: dict[tuple, tuple] = {}
+        self._keys: dict[tuple, int] = {}
         # Memos of what does not depend on the crossing state: a scan keeps hundreds of storages
         # crossing, and the same (tensor, context end) or selective region recurs in many states.
         self._sigs: dict[tuple[int, int], tuple] = {}
