@@ -61,12 +61,12 @@ span at the top level; the space is then every laminar family of spans.
 Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
 (:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the note says
 so. :func:`solve_dp` is anytime: on a graph with twice FIRST_STAGES boundaries or more it solves
-coarse to fine (FIRST_STAGES stages, doubling, up to ``max_bounds``: :func:`stage_levels`),
-keeps the best schedule any level found, and answers with it when the time limit
-(``DPOptions.time_limit_s``) cuts the next level short; the note names the space of the level
-that answered and what was cut short. The programme assumes every tensor a node saves is one
-it reads or produces (true of autograd). :func:`solve_dp` replays its answer through
-``simulate``.
+coarse to fine (FIRST_STAGES stages, times LEVEL_GROWTH, up to ``max_bounds``:
+:func:`stage_levels`), keeps the best schedule any level found, and answers with it when the
+time limit (``DPOptions.time_limit_s``) cuts the next level short or leaves too little time to
+start it; the note names the space of the level that answered and what was cut short. The
+programme assumes every tensor a node saves is one it reads or produces (true of autograd).
+:func:`solve_dp` replays its answer through ``simulate``.
 """
 
 from __future__ import annotations
@@ -111,8 +111,13 @@ DEFAULT_COARSE_SPAN = 8
 # with boundaries times span cubed, and past a few hundred it no longer fits a time limit.
 DEFAULT_MAX_BOUNDS = 384
 # dp solves a graph with more region boundaries than this coarse to fine, from this many
-# stages up (doubling): an answer early, then better ones while time lasts.
+# stages up: an answer early, then better ones while time lasts.
 FIRST_STAGES = 48
+# Each level has this many times the stages of the one before. A level's work grows about
+# linearly with its stages (Mamba-128, CPU: 2.8 s at 48, 10.9 s at 192, 17.6 s at 384), so
+# the levels before the last cost about a third of it when each has four times the stages, a
+# whole one when each has twice (and on Mamba the 96-stage level found nothing either).
+LEVEL_GROWTH = 4
 # On a graph coarsened even at the finest level, refining stops once a level improves the
 # predicted step time by less than this fraction.
 REFINE_GAIN = 0.005
@@ -351,15 +356,23 @@ class _Programme:
         self.max_depth = max_depth
         self.selective = selective  # top-level selective regions between coarse cuts
         self.size = grid + 1  # V[m] for m = 0..grid units
-        # key -> (V, node it was computed at, options, best option per m)
-        self.memo: dict[tuple, tuple[np.ndarray, int, list, np.ndarray]] = {}
+        # key -> (V, node it was computed at, options, best option per m); a key is the
+        # state's description interned to an int (:meth:`key`), cheap to hash and to store
+        self.memo: dict[int, tuple[np.ndarray, int, list, np.ndarray]] = {}
+        self._ids: dict[tuple, int] = {}
         self._suffix: dict[tuple[int, int], int] = {}
         self._interned: dict[tuple, int] = {}
         # the last node reading or saving each storage (its producer when none does)
         self.last_use = [ns[-1] if ns else p.producer[t] for t, ns in enumerate(p.needers)]
         self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
         self._end = _value_array(self.size, 0.0)
-        self._keys: dict[tuple, tuple] = {}
+        self._keys: dict[tuple, int] = {}
+        # Memos of what does not depend on the crossing state: a scan keeps hundreds of storages
+        # crossing, and the same (tensor, context end) or selective region recurs in many states.
+        self._sigs: dict[tuple[int, int, int], tuple] = {}
+        self._selective: dict[tuple[int, int, int, tuple[int, ...]], tuple] = {}
+        self._survivors: dict[tuple[int, int, bool], dict[int, list[int]]] = {}
+        self.sorted_savers = [sorted(ss) for ss in p.savers]
         # See simulate's Rule 5: recomputations stop after the last node that saves; the last
         # such node before each cut (-1: none).
         self.early_stop = p.rule5_saves is not None
@@ -398,9 +411,6 @@ class _Programme:
         k = bisect.bisect_left(ns, c)
         return k < len(ns) and ns[k] < j
 
-    def saved_in(self, t: int, c: int, j: int) -> bool:
-        return any(c <= s < j for s in self.p.savers[t])
-
     def bwd_max(self, c: int, b: int) -> int:
         """Most units the backward of a node in [c, b) adds to what is kept (gradient buffers,
         relative to the context's, and its working set): the backward of nodes a stopped
@@ -412,30 +422,63 @@ class _Programme:
             self._bwd_max[(c, b)] = got
         return got
 
-    def child_args(self, c: int, j: int, crossing: tuple, root: bool) -> tuple[int, tuple, int]:
-        """A child region [c, j) of this context: (units held through its recomputation and
-        backward, the crossing its own context starts with, units of its arguments).
+    def survivors(self, c: int, b: int, root: bool, ends: list[int]) -> dict[int, list[int]]:
+        """For each end j in ``ends``: the storages made in [c, j) still needed at j or later
+        in the context ending at ``b`` (``ends``: :meth:`region_ends`, a function of c and b).
+        The same for every crossing state at c: memoised."""
+        got = self._survivors.get((c, b, root))
+        if got is None:
+            got, alive, last = {}, [], c
+            for j in ends:
+                for i in range(last, j):
+                    alive += [(t, self.last_need(t, b, root)) for t in self.p.produced[i]]
+                last = j
+                alive = [(t, end) for t, end in alive if end >= j]
+                got[j] = [t for t, _ in alive]
+            self._survivors[(c, b, root)] = got
+        return got
+
+    def crossing_info(self, c: int, b: int, crossing: tuple, root: bool) -> list[tuple]:
+        """Per crossing storage of a state at cut c: (tensor, kept, size, its first reader or
+        saver from c on, its first saver from c on, its last need in the context), so that
+        each region [c, j) the state tries asks ``< j`` instead of searching again."""
+        p = self.p
+        never = p.n + 1
+        out = []
+        for t, kept in crossing:
+            ns = p.needers[t]
+            k = bisect.bisect_left(ns, c)
+            need_at = ns[k] if k < len(ns) else never
+            ss = self.sorted_savers[t]
+            k = bisect.bisect_left(ss, c)
+            save_at = ss[k] if k < len(ss) else never
+            out.append((t, kept, p.size[t], need_at, save_at, self.last_need(t, b, root)))
+        return out
+
+    def child_args(self, j: int, info: list[tuple], root: bool) -> tuple[int, tuple, int]:
+        """A child region [c, j) of this context (``info``: :meth:`crossing_info` at c): (units
+        held through its recomputation and backward, the crossing its own context starts
+        with, units of its arguments).
 
         A checkpoint keeps its arguments (Rule 2), and everything kept for backward stays. In a
         recomputation, arguments nothing in the child saves live only to the end of the child's
         own recomputation (Rule 3), the arguments of this context among them: this
         recomputation saves them again for the child; those the child does not read have died
         before it recomputes."""
-        p = self.p
         held, inner, args = 0, [], 0
-        for t, kept in crossing:
-            needed = self.needed_in(t, c, j)
+        for t, kept, size, need_at, save_at, _ in info:
+            needed = need_at < j
             if kept == ARG:
                 if needed:
-                    args += p.size[t]
-                    if self.saved_in(t, c, j):
-                        held += p.size[t]
+                    args += size
+                    if save_at < j:
+                        held += size
                     else:
                         inner.append((t, ARG))
                 continue
-            args += p.size[t] if needed and not kept else 0
-            if kept or (needed and (root or self.saved_in(t, c, j))):
-                held += p.size[t]
+            args += size if needed and not kept else 0
+            if kept or (needed and (root or save_at < j)):
+                held += size
             elif needed:
                 inner.append((t, ARG))
         return held, tuple(sorted(inner)), args
@@ -467,13 +510,47 @@ class _Programme:
         p, root = self.p, True
         if not keep:
             return best
+        fwd_own, inner, cached_bytes, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep)
+        fwd = sum(p.size[t] for t, _ in crossing) + fwd_own
+        held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
+        held += cached_bytes + 2 * p.stash
+        kept_bytes, nxt = p.stash + own_kept, list(own_nxt)
+        for t, kept in crossing:
+            if self.last_need(t, b, root) < j:
+                kept_bytes += p.size[t]
+            else:
+                nxt.append((t, kept or self.needed_in(t, c, j)))
+        nxt = tuple(sorted(nxt))
+        rest_key = self.key(j, b, nxt, root, True, 0)
+        rest = self.value_at(rest_key, j, b, nxt, root, True, 0)
+        if rest[-1] == INF:
+            return best
+        need = max(fwd, held + p.grad_after[j] + inner)
+        v = _shifted(rest, kept_bytes) + cost
+        v[: max(need, 0)] = INF
+        better = v < best
+        if better.any():
+            options.append(("selective", c, j, tuple(keep), rest_key, kept_bytes))
+            choice[better] = len(options) - 1
+            np.minimum(best, v, out=best)
+        return best
+
+    def selective_parts(self, c: int, j: int, b: int, keep: tuple[int, ...]) -> tuple:
+        """What a selective region [c, j) at the root costs whatever crosses into it, memoised:
+        (its first forward's peak above the crossing, its recomputation and backward's peak
+        relative to the gradients then, bytes it caches, bytes of its own storages it leaves
+        kept, those crossing its end, its recomputation's and overhead's time)."""
+        key = (c, j, b, keep)
+        got = self._selective.get(key)
+        if got is not None:
+            return got
+        p, root = self.p, True
         keep_set = set(keep)
         # Selective checkpointing caches every output of a kept op, whether backward reads it
         # or not (simulate's model): all of them stay alive to the region's backward.
         cached = [t for i in keep for t in p.produced[i]]
         cached_set = set(cached)
         # The first forward through [c, j): cached outputs stay alive past their last use.
-        cross_bytes = sum(p.size[t] for t, _ in crossing)
         alive, fwd, ends = 0, 0, {}
         for i in range(c, j):
             for t in p.produced[i]:
@@ -481,41 +558,23 @@ class _Programme:
                 if t not in cached_set:
                     end = self.last_need(t, b, root)
                     ends[end] = ends.get(end, 0) + p.size[t]
-            fwd = max(fwd, cross_bytes + alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
+            fwd = max(fwd, alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
             alive -= ends.pop(i, 0)
         # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
         inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
-        held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-        held += sum(p.size[t] for t in cached) + 2 * p.stash
-        kept_bytes, nxt = p.stash, []
-        for t, kept in crossing:
-            if self.last_need(t, b, root) < j:
-                kept_bytes += p.size[t]
-            else:
-                nxt.append((t, kept or self.needed_in(t, c, j)))
+        own_kept, own_nxt = 0, []
         for i in range(c, j):
             for t in p.produced[i]:
                 if self.last_need(t, b, root) >= j:
-                    nxt.append((t, t in cached_set))
+                    own_nxt.append((t, t in cached_set))
                 elif t in cached_set:
-                    kept_bytes += p.size[t]  # cached until the region's backward ends
-        nxt = tuple(sorted(nxt))
-        rest = self.value(j, b, nxt, root, True, 0)
-        if rest[-1] == INF:
-            return best
+                    own_kept += p.size[t]  # cached until the region's backward ends
         cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
         cost += p.overhead_s(c, j, "selective")
-        need = max(fwd, held + p.grad_after[j] + inner)
-        v = _shifted(rest, kept_bytes) + cost
-        v[: max(need, 0)] = INF
-        better = v < best
-        if better.any():
-            options.append(
-                ("selective", c, j, tuple(keep), self.key(j, b, nxt, root, True, 0), kept_bytes)
-            )
-            choice[better] = len(options) - 1
-            np.minimum(best, v, out=best)
-        return best
+        cached_bytes = sum(p.size[t] for t in cached)
+        got = (fwd, inner, cached_bytes, own_kept, tuple(own_nxt), cost)
+        self._selective[key] = got
+        return got
 
     def region_ends(self, c: int, b: int) -> list[int]:
         """Ends j of regions starting at c: any within ``max_span`` nodes, and the coarse cuts
@@ -534,15 +593,18 @@ class _Programme:
     # -- state keys --------------------------------------------------------------------------
     def _tensor_sig(self, t: int, c: int, b: int) -> tuple:
         """Storage ``t`` as a state from cut ``c`` on sees it, relative to the context's end:
-        what reads or saves it from ``c`` on (what came before is in its flag)."""
-        p = self.p
-        return (
-            p.size[t],
-            tuple(u - b for u in p.needers[t] if c <= u < b),
-            tuple(sorted(s - b for s in p.savers[t] if c <= s < b)),
-            bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
-            p.after_last_save[t],
-        )
+        what reads or saves it from ``c`` on (what came before is in its flag). Memoised."""
+        got = self._sigs.get((t, c, b))
+        if got is None:
+            p = self.p
+            got = self._sigs[(t, c, b)] = (
+                p.size[t],
+                tuple(u - b for u in p.needers[t] if c <= u < b),
+                tuple(sorted(s - b for s in p.savers[t] if c <= s < b)),
+                bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
+                p.after_last_save[t],
+            )
+        return got
 
     def suffix_id(self, c: int, b: int) -> int:
         """Interned description of nodes [c, b) relative to ``b`` and to its gradient base.
@@ -582,14 +644,18 @@ class _Programme:
             return ()
         return tuple(j - b for j in self.span_ends.get(i, ()) if j <= b)
 
-    def key(self, c, b, crossing, root, whole_ok, depth):
+    def key(self, c, b, crossing, root, whole_ok, depth) -> int | None:
+        """The state's memo key (None at the context's end): states with equal descriptions
+        (:meth:`_key`) share one. A crossing is a long tuple and Python does not cache a
+        tuple's hash, so each description is hashed once here and stands for an int after."""
         if c == b:
             return None
         d = depth if self.max_depth is not None else 0
         where = (c, b, crossing, root, whole_ok, d)
         got = self._keys.get(where)
         if got is None:
-            got = self._keys[where] = self._key(c, b, crossing, root, whole_ok, d)
+            desc = self._key(c, b, crossing, root, whole_ok, d)
+            got = self._keys[where] = self._ids.setdefault(desc, len(self._ids))
         return got
 
     def _key(self, c, b, crossing, root, whole_ok, d):
@@ -708,6 +774,19 @@ class _Programme:
     ) -> np.ndarray:
         """``V[m]``: least recompute time from cut c to the context's end within m units."""
         key = self.key(c, b, crossing, root, whole_ok, depth)
+        return self.value_at(key, c, b, crossing, root, whole_ok, depth)
+
+    def value_at(
+        self,
+        key: int | None,
+        c: int,
+        b: int,
+        crossing: tuple,
+        root: bool,
+        whole_ok: bool,
+        depth: int,
+    ) -> np.ndarray:
+        """:meth:`value` of the state whose :meth:`key` is ``key``."""
         if key is None:
             return self._end
         got = self.memo.get(key)
@@ -740,32 +819,29 @@ class _Programme:
                 choice[stopped:] = len(options) - 1
                 best[stopped:] = 0.0
         if need < size:
-            rest = self.value(stop, b, nxt, root, True, depth)
-            v = _shifted(rest, kept_bytes) + (run_s(stop) - run_s(c))
-            v[:need] = INF
-            better = v < best
+            rest_key = self.key(stop, b, nxt, root, True, depth)
+            rest = self.value_at(rest_key, stop, b, nxt, root, True, depth)
+            v = _shifted(rest, kept_bytes)[need:] + (run_s(stop) - run_s(c))
+            tail = best[need:]  # below the need nothing fits
+            better = v < tail
             if better.any():
-                options.append(("run", stop, self.key(stop, b, nxt, root, True, depth), kept_bytes))
-                choice[better] = len(options) - 1
-                np.minimum(best, v, out=best)
+                options.append(("run", stop, rest_key, kept_bytes))
+                choice[need:][better] = len(options) - 1
+                np.minimum(tail, v, out=tail)
         # Nodes [c, j) form a region, for each allowed end j.
         if self.max_depth is None or depth < self.max_depth:
             cross_bytes = sum(p.size[t] for t, _ in crossing)
             ends = self.region_ends(c, b)
             peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c)
-            surviving: list[int] = []  # produced in [c, j), still needed at j or later
-            last = c
+            survivors = self.survivors(c, b, root, ends)
+            info = self.crossing_info(c, b, crossing, root) if ends else []
             for j in ends:
                 if j == b and not whole_ok:
                     break
                 fwd = cross_bytes + peaks[j - 1 - c] + p.stash
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
-                for i in range(last, j):
-                    surviving += p.produced[i]
-                last = j
-                surviving = [t for t in surviving if self.last_need(t, b, root) >= j]
-                held, inner_crossing, args = self.child_args(c, j, crossing, root)
+                held, inner_crossing, args = self.child_args(j, info, root)
                 inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
                 inner_shift += p.stash  # its own stash, to its backward's end
@@ -773,7 +849,7 @@ class _Programme:
                     # See simulate's Rule 5: the child is this recomputation's last save (its
                     # arguments), so the recomputation stops before it; the nodes after it run
                     # only their backward, with the child's arguments still alive (Rule 3).
-                    inner = self.value(c, j, inner_crossing, False, False, depth + 1)
+                    inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
                     kept = sum(p.size[t] for t, k in crossing if k is True)
                     v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
                     v[: kept + args + self.bwd_max(j, b)] = INF
@@ -789,28 +865,31 @@ class _Programme:
                     keeps = {tuple(i for i in range(c, j) if k[i]) for k in self.keep_sets}
                     for keep in sorted(keeps):
                         best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
-                inner = self.value(c, j, inner_crossing, False, False, depth + 1)
+                inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
                 if inner[-1] == INF:
                     continue
-                kept_bytes, nxt = p.stash, [(t, False) for t in surviving]
-                for t, kept in crossing:
-                    if kept == ARG and not self.needed_in(t, c, j):
+                kept_bytes, nxt = p.stash, [(t, False) for t in survivors[j]]
+                for t, kept, t_size, need_at, _, end in info:
+                    if kept == ARG and not need_at < j:
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
-                    elif self.last_need(t, b, root) < j:
-                        kept_bytes += p.size[t]  # read inside the region: kept as its input
+                    elif end < j:
+                        kept_bytes += t_size  # read inside the region: kept as its input
                     else:
                         # an argument of this context read inside the region is kept as its
                         # input too, past this recomputation's end (Rule 3)
-                        nxt.append((t, kept is True or self.needed_in(t, c, j)))
+                        nxt.append((t, kept is True or need_at < j))
                 nxt = tuple(sorted(nxt))
-                rest = self.value(j, b, nxt, root, True, depth)
+                rest_key = self.key(j, b, nxt, root, True, depth)
+                rest = self.value_at(rest_key, j, b, nxt, root, True, depth)
                 if rest[-1] == INF:
                     continue
-                v = _shifted(inner, inner_shift) + _shifted(rest, kept_bytes)
+                # only budgets from the forward's need up (below it nothing fits): the same
+                # numbers on shorter vectors
+                v = _shifted(inner, inner_shift)[fwd:] + _shifted(rest, kept_bytes)[fwd:]
                 # the child runs in this context's recomputation, and costs its own overhead
                 v += run_s(j) - run_s(c) + p.overhead_s(c, j, "recompute")
-                v[:fwd] = INF
-                better = v < best
+                tail = best[fwd:]
+                better = v < tail
                 if better.any():
                     options.append(
                         (
@@ -819,12 +898,12 @@ class _Programme:
                             j,
                             inner_key,
                             inner_shift,
-                            self.key(j, b, nxt, root, True, depth),
+                            rest_key,
                             kept_bytes,
                         )
                     )
-                    choice[better] = len(options) - 1
-                    np.minimum(best, v, out=best)
+                    choice[fwd:][better] = len(options) - 1
+                    np.minimum(tail, v, out=tail)
         if root and self.offload and (self.max_depth is None or depth < self.max_depth):
             best = self.offload_options(c, b, crossing, best, choice, options)
         self.memo[key] = (best, c, options, choice)
@@ -846,7 +925,8 @@ class _Programme:
                 sent_bytes += sum(p.size_bytes[t] for t in p.saves[i] if c <= p.producer[t] < j)
             if need >= self.size:
                 break  # the region's working set only grows with j
-            rest = self.value(j, b, nxt, True, True, 0)
+            rest_key = self.key(j, b, nxt, True, True, 0)
+            rest = self.value_at(rest_key, j, b, nxt, True, True, 0)
             if rest[-1] == INF:
                 continue
             transfer_s = exposed_transfer_s(
@@ -860,7 +940,7 @@ class _Programme:
             v[:need] = INF
             better = v < best
             if better.any():
-                options.append(("offload", c, j, self.key(j, b, nxt, True, True, 0), kept_bytes))
+                options.append(("offload", c, j, rest_key, kept_bytes))
                 choice[better] = len(options) - 1
                 np.minimum(best, v, out=best)
         return best
@@ -1079,7 +1159,7 @@ def _solve_within(
         solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
         schedule = solved.schedule(budget_bytes)
         if schedule is None:
-            break  # rounding lost it; the space without selective regions is a subset of this
+            break  # nothing of the space fits, nor of its part without selective regions
         if simulate(graph, schedule).peak_bytes > budget_bytes:
             continue  # simulate prices selective recomputation higher
         if solved.unit_bytes > 1:
@@ -1105,9 +1185,10 @@ def _solve_within(
 
 def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
     """The stage counts (``max_bounds``) dp solves in turn, coarse to fine: FIRST_STAGES,
-    doubling while a level keeps at most half the graph's boundaries (a coarser level saves
-    little time then), then ``options.max_bounds``; one level on a graph with fewer than twice
-    FIRST_STAGES boundaries (or whose regions follow module spans, which are never staged)."""
+    times LEVEL_GROWTH while a level keeps at most half the graph's boundaries (a coarser level
+    saves little time then), then ``options.max_bounds``; one level on a graph with fewer than
+    twice FIRST_STAGES boundaries (or whose regions follow module spans, which are never
+    staged)."""
     top = options.max_bounds
     if graph.region_spans is not None:
         return [top]
@@ -1116,7 +1197,7 @@ def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
     count = FIRST_STAGES
     while 2 * count <= n_bounds and (top is None or count < top):
         levels.append(count)
-        count *= 2
+        count *= LEVEL_GROWTH
     return [*levels, top]
 
 
@@ -1135,8 +1216,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     (the note names the space that schedule was solved over, and what the time limit cut
     short). On a graph coarsened even at its finest level (more boundaries than
     ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
-    A programme cut short answers nothing: with no level done, dp answers with ``greedy``'s
-    schedule; the note says so.
+    A refinement predicted not to finish in the time left (the last level's seconds per stage
+    times its stages) is not started. A programme cut short answers nothing: with no level done, dp
+    answers with ``greedy``'s schedule; the note says so.
     """
     start = time.perf_counter()
     deadline = start + options.time_limit_s
@@ -1149,14 +1231,32 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     staged = top is not None and graph.region_spans is None and len(region_bounds(graph)) > top
     best: tuple[float, tuple[Region, ...], str, float | None] | None = None
     stopped = ""
+    search_end = start + 0.8 * options.time_limit_s  # the search's share, the fallback the rest
+    done: tuple[int, float] | None = None  # the last level solved: its stages and seconds
+    bounds = tuple(region_bounds(graph))
     for k, count in enumerate(levels):
         last = k == len(levels) - 1
-        try:  # the search gets 80% of the time, the fallback the rest
+        stages = len(stage_bounds(graph, bounds, count))
+        level_start = time.perf_counter()
+        if done is not None and best is not None:
+            # A level's work grows about linearly with its stages (LEVEL_GROWTH): a refinement
+            # that cannot finish in the time left is not started, only to be cut short. A level
+            # that may give dp's first answer is always tried (the prediction is conservative:
+            # Mamba-128's 192 stages take 2.6 times its 48, not 3.8).
+            predicted_s = done[1] * stages / done[0]
+            left_s = search_end - level_start
+            if predicted_s > left_s:
+                stopped = (
+                    f"; refining to {count} stages not started (about {predicted_s:.0f} s "
+                    f"predicted, {max(left_s, 0.0):.0f} s left of the {limit})"
+                )
+                break
+        try:
             regions, note, gap = _solve_within(
                 graph,
                 budget_bytes,
                 replace(options, max_bounds=count),
-                start + 0.8 * options.time_limit_s,
+                search_end,
                 eager,
                 least_memory=last and best is None,
             )
@@ -1164,7 +1264,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
             stopped = f"; refining to {count} stages cut short at the {limit}"
             break
         except _NoFit:
+            done = (stages, time.perf_counter() - level_start)
             continue
+        done = (stages, time.perf_counter() - level_start)
         step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
         if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
             if step_s < best[0]:
@@ -1193,5 +1295,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
         detail = f"(solver 'dp', cut short at the {limit}: a longer time_limit_s may fit)"
         raise InfeasibleBudgetError(budget_bytes, least, detail)
     fallback = found
-    note = f"dp cut short at the {limit}; {fallback.solver} answered ({fallback.note})"
+    # what stopped dp: a level cut short, or one predicted not to finish in the time left
+    why = stopped.removeprefix("; ") if stopped else f"cut short at the {limit}"
+    note = f"dp {why}; {fallback.solver} answered ({fallback.note})"
     return Schedule(fallback.regions, fallback.solver, None, note)

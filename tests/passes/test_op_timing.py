@@ -42,6 +42,19 @@ def test_calls_are_timed_on_real_tensors_and_failures_left_to_the_roofline():
     assert call_overhead_s(torch.device("cpu")) >= 0
 
 
+def test_select_backward_is_timed_once_whatever_its_position():
+    """A scan's backward takes select_backward at every position: one timing serves them all,
+    and the call timed writes a valid position."""
+    grad = torch.randn(4, 8)
+    sb = torch.ops.aten.select_backward.default
+    calls = [op_call(sb, (grad, [4, 16, 8], 1, i), {}) for i in (0, 5, 15, -1)]
+    assert len({c.key for c in calls}) == 1
+    other = op_call(sb, (grad, [4, 17, 8], 1, 5), {})  # another shape: timed apart
+    assert other.key != calls[0].key
+    times = time_calls([*calls, other], torch.device("cpu"))
+    assert set(times) == {calls[0].key, other.key}
+
+
 def test_node_times_are_fitted_to_the_measured_step():
     model, example = gpt_ref_small_example()
     c = capture(model, example)

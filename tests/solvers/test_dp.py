@@ -230,7 +230,7 @@ def test_a_peak_no_schedule_lowers_is_refused_with_the_eager_peak_as_least():
 
 
 def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
-    """On a graph with more boundaries than FIRST_STAGES, dp solves 48 stages, then 96, ...
+    """On a graph with more boundaries than FIRST_STAGES, dp solves 48 stages, then 192, ...
     (each a whole programme), and answers with the best level: never worse than the coarsest
     level alone, within budget, and its note names the stage space that answered."""
     from planner.solvers.dp import FIRST_STAGES, stage_levels
@@ -238,7 +238,7 @@ def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
     graph = random_chain(random.Random(3), 600)
     eager = simulate(graph, Schedule()).peak_bytes
     budget = 0.6 * eager
-    assert stage_levels(graph, DPOptions()) == [FIRST_STAGES, 96, 192, 384]
+    assert stage_levels(graph, DPOptions()) == [FIRST_STAGES, 4 * FIRST_STAGES, 384]
     assert stage_levels(graph, DPOptions(max_bounds=FIRST_STAGES)) == [FIRST_STAGES]
     coarse = solve_dp(graph, budget, max_bounds=FIRST_STAGES, time_limit_s=600)
     refined = solve_dp(graph, budget, max_bounds=96, time_limit_s=600)  # 48, then 96
@@ -249,3 +249,34 @@ def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
     assert sim_refined.step_time_s <= sim_coarse.step_time_s
     # the answer is a finer level's when refining paid (the chain's do)
     assert sim_refined.step_time_s < sim_coarse.step_time_s, (coarse.note, refined.note)
+
+
+def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypatch):
+    """dp predicts a level's time from the last level's seconds per stage and does not start
+    one that cannot finish in the time left: it answers with the level it has, and says so.
+    On a fake clock where every level costs 10 ms per stage."""
+    import types
+
+    import planner.solvers.dp as dp
+
+    graph = random_chain(random.Random(3), 600)
+    budget = 0.6 * simulate(graph, Schedule()).peak_bytes
+    clock = [0.0]
+    monkeypatch.setattr(dp, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    solve_level = dp._solve_within
+
+    def timed(graph, budget_bytes, options, *args, **kwargs):
+        bounds = tuple(dp.region_bounds(graph))
+        clock[0] += 0.01 * len(dp.stage_bounds(graph, bounds, options.max_bounds))
+        return solve_level(graph, budget_bytes, options, *args, **kwargs)
+
+    monkeypatch.setattr(dp, "_solve_within", timed)
+    first = solve_dp(graph, budget, max_bounds=dp.FIRST_STAGES, time_limit_s=600)
+    # 48 stages take about 0.5 s, so 192 would take about 2 s: 1.6 s - 0.5 s is too little
+    short = solve_dp(graph, budget, time_limit_s=2.0)
+    assert short.solver == "dp" and "refining to 192 stages not started" in short.note, short.note
+    assert short.regions == first.regions
+    assert simulate(graph, short).peak_bytes <= budget
+    roomy = solve_dp(graph, budget, time_limit_s=10.0)  # 8 s of search: 192 runs
+    assert "192 stages not started" not in roomy.note, roomy.note
+    assert simulate(graph, roomy).step_time_s <= simulate(graph, first).step_time_s
