@@ -325,7 +325,7 @@ class _Replay:
         stash = self.g.region_state_bytes
         if nested is None or nested.start != last + 1 or nested.kind == "offload" or not stash:
             return
-        self._mark(f"recompute:{self.g.nodes[nested.start].name}", stash)
+        self._mark(f"recompute-stash:{self.g.nodes[nested.start].name}", stash)
 
     def _stop_node(self, region: Region, children: list[Region]) -> tuple[int, bool]:
         """See Rule 5: :func:`stop_node` for ``region`` in this replay."""

@@ -223,7 +223,7 @@ def test_recomputation_stopping_at_a_nested_region_as_measured():
         measured = planner.measure(p.module, x, warmup=0).peak_bytes
     assert p.predicted_peak_bytes == measured
     inner_start = priced.graph.nodes[regions[1].start].name
-    assert p.simulation.peak_event == f"recompute:{inner_start}"
+    assert p.simulation.peak_event == f"recompute-stash:{inner_start}"
     # measure's own fork_rng (1); then each step (the tracked one, then the timed ones): the
     # first forward's stashes of outer and inner (3); outer's recomputation: fork_rng's copy
     # (4), the inner call's stash at the stop (5); inner's recomputation, after outer's two

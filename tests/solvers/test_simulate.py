@@ -386,7 +386,7 @@ def test_a_recomputation_stopping_at_a_nested_region_holds_what_comes_after_and_
         ("recompute:n0", 22),  # t0, and three stashes: the outer's, the nested one's, fork_rng's
         ("recompute:n1", 42),  # + t1
         ("recompute:n2", 72),  # + t2
-        ("recompute:n3", 76),  # + the nested call's new stash, as the recomputation stops
+        ("recompute-stash:n3", 76),  # + the nested call's new stash, as the recomputation stops
     )
     # At the recomputation's end t0, fork_rng's copy and the new stash go; t1 (n2 saves it),
     # t2 (the nested region's argument, Rule 3) and the two first-forward stashes stay, and
