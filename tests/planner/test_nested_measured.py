@@ -63,11 +63,13 @@ class Outer(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """``pre``, then the nested ``outer`` module, then ``head``, each ``width`` wide."""
+
+    def __init__(self, outer: nn.Module, width: int) -> None:
         super().__init__()
-        self.pre = nn.Linear(WIDTH, WIDTH)
-        self.outer = Outer()
-        self.head = nn.Linear(WIDTH, WIDTH)
+        self.pre = nn.Linear(width, width)
+        self.outer = outer
+        self.head = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.outer(torch.sigmoid(self.pre(x)))).sum()
@@ -75,7 +77,7 @@ class Net(nn.Module):
 
 def _example() -> tuple[Net, torch.Tensor]:
     torch.manual_seed(0)
-    return Net(), torch.randn(BATCH, WIDTH)
+    return Net(Outer(), WIDTH), torch.randn(BATCH, WIDTH)
 
 
 def _module_nodes(graph: CostGraph, path: str) -> tuple[int, int]:
@@ -169,17 +171,6 @@ class StopOuter(nn.Module):
         return self.inner(h * 2) + h
 
 
-class StopNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.pre = nn.Linear(STOP_WIDTH, STOP_WIDTH)
-        self.outer = StopOuter()
-        self.head = nn.Linear(STOP_WIDTH, STOP_WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.outer(torch.sigmoid(self.pre(x)))).sum()
-
-
 @contextlib.contextmanager
 def _rng_states_alive() -> Iterator[list[int]]:
     """How many CPU RNG-state tensors (checkpoint's stashes, fork_rng's copies) are alive each
@@ -212,7 +203,7 @@ def test_recomputation_stopping_at_a_nested_region_as_measured():
     peak is that moment: 23,368 B measured; simulate predicted 18,824 B before the two rules
     (the peak elsewhere, in ``inner``'s recomputation)."""
     torch.manual_seed(0)
-    model, x = StopNet(), torch.randn(STOP_BATCH, STOP_WIDTH)
+    model, x = Net(StopOuter(), STOP_WIDTH), torch.randn(STOP_BATCH, STOP_WIDTH)
     priced = price(model, x, device="cpu")
     regions = (
         Region(*_module_nodes(priced.graph, "outer"), 0),
