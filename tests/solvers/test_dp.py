@@ -253,8 +253,9 @@ def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
 
 def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypatch):
     """dp predicts a level's time from the last level's seconds per stage and does not start
-    one that cannot finish in the time left: it answers with the level it has, and says so.
-    On a fake clock where every level costs 10 ms per stage."""
+    one that cannot finish in the time left (on a graph staged even at its finest level: in
+    STAGED_REFINE_SHARE of the limit): it answers with the level it has, and says so. On a
+    fake clock where every level costs 10 ms per stage."""
     import types
 
     import planner.solvers.dp as dp
@@ -280,3 +281,12 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
     roomy = solve_dp(graph, budget, time_limit_s=10.0)  # 8 s of search: 192 runs
     assert "192 stages not started" not in roomy.note, roomy.note
     assert simulate(graph, roomy).step_time_s <= simulate(graph, first).step_time_s
+    # 600 boundaries are staged even at 384: refining must end within a third of the limit
+    # (1.7 s of 5 s), though the search's share (4 s) would have room for 192's 2 s
+    staged = solve_dp(graph, budget, time_limit_s=5.0)
+    assert "192 stages not started" in staged.note and "share" in staged.note, staged.note
+    assert staged.regions == first.regions
+    # unstaged (the finest level has every boundary), the whole search share is used
+    whole = solve_dp(graph, budget, time_limit_s=5.0, max_bounds=None)
+    assert "192 stages not started" not in whole.note, whole.note
+    assert "refining to all 601 boundaries not started" in whole.note, whole.note
