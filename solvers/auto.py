@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from planner.solvers.basic import UniformOptions
 from planner.solvers.costgraph import CostGraph, Schedule
-from planner.solvers.dp import DPOptions
+from planner.solvers.dp import LEVEL_GROWTH, DPOptions, is_staged
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.greedy import GreedyOptions
 from planner.solvers.ilp import ILPOptions
@@ -82,6 +82,11 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
             left_s = min(left_s, GREEDY_SHARE * options.time_limit_s)
         if name == "dp" and "ilp" in names:
             left_s *= 1 - ILP_SHARE
+        if name == "dp" and found and isinstance(own, DPOptions) and is_staged(graph, own):
+            # A schedule is in hand: the early answer dp's coarsest level is for. On graphs
+            # staged even at dp's finest level that level never answered (10k chain, 7B shape,
+            # Mamba-128: 192 stages did; Mamba's 48 fit nothing, in 3 s).
+            own = replace(own, first_stages=LEVEL_GROWTH * own.first_stages)
         own = replace(own, time_limit_s=max(0.0, min(own.time_limit_s, left_s)))
         started = time.perf_counter()
         try:

@@ -251,6 +251,33 @@ def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
     assert sim_refined.step_time_s < sim_coarse.step_time_s, (coarse.note, refined.note)
 
 
+def test_auto_holding_a_schedule_skips_dp_coarsest_level_on_a_staged_graph(monkeypatch):
+    """On a graph staged even at dp's finest level, auto (which already holds greedy's
+    schedule, the early answer the coarsest level is for) starts dp at 192 stages; dp alone
+    starts at 48. Both plans fit the budget, and auto's is no slower than dp alone's."""
+    import planner.solvers.dp as dp
+
+    graph = random_chain(random.Random(3), 600)
+    budget = 0.6 * simulate(graph, Schedule()).peak_bytes
+    solved: list[int | None] = []
+    solve_level = dp._solve_within
+
+    def recorded(graph, budget_bytes, options, *args, **kwargs):
+        solved.append(options.max_bounds)
+        return solve_level(graph, budget_bytes, options, *args, **kwargs)
+
+    monkeypatch.setattr(dp, "_solve_within", recorded)
+    alone = solve_dp(graph, budget, time_limit_s=600)
+    assert solved[0] == dp.FIRST_STAGES, solved
+    solved.clear()
+    auto = get_solver("auto")(graph, budget, time_limit_s=600)
+    assert auto.solver == "dp" and solved[0] == dp.LEVEL_GROWTH * dp.FIRST_STAGES, solved
+    # a staged level's regions span stages: at most staged_span of them
+    assert f"spans <= {dp.DEFAULT_STAGED_SPAN} boundaries" in auto.note, auto.note
+    assert simulate(graph, auto).peak_bytes <= budget
+    assert simulate(graph, auto).step_time_s <= simulate(graph, alone).step_time_s
+
+
 def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypatch):
     """dp predicts a level's time from the last level's seconds per stage and does not start
     one that cannot finish in the time left (on a graph staged even at its finest level: in
