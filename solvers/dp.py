@@ -59,9 +59,11 @@ exactly the spans, nested as the module tree allows, and selective regions are o
 span at the top level; the space is then every laminar family of spans.
 
 Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
-(:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the note says
-so. :func:`solve_dp` is anytime: on a graph with twice FIRST_STAGES boundaries or more it solves
-coarse to fine (FIRST_STAGES stages, times LEVEL_GROWTH, up to ``max_bounds``:
+(:func:`stage_bounds`): regions then begin and end only at stage boundaries and span at most
+``DPOptions.staged_span`` stages, and the note says so; such a graph refines only within
+STAGED_REFINE_SHARE of the time limit. :func:`solve_dp` is anytime: on a graph with twice
+``first_stages`` boundaries or more it solves coarse to fine (``DPOptions.first_stages`` stages,
+FIRST_STAGES by default, times LEVEL_GROWTH, up to ``max_bounds``:
 :func:`stage_levels`), keeps the best schedule any level found, and answers with it when the
 time limit (``DPOptions.time_limit_s``) cuts the next level short or leaves too little time to
 start it; the note names the space of the level that answered and what was cut short. The
