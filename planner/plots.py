@@ -70,7 +70,8 @@ def plot_timeline(plan: Plan, measured: Any = None, *, ax: Any = None) -> Figure
             ax.axvspan(first - 0.5, last + 0.5, color=colour, alpha=alpha, lw=0, gid="region")
 
     # Colour the area under the curve by phase, one filled staircase per run of a phase.
-    phases = [event.split(":", 1)[0] for event in events]
+    # The RNG stash a recomputation takes at a nested checkpoint (recompute-stash) is part of it.
+    phases = [event.split(":", 1)[0].removesuffix("-stash") for event in events]
     labelled: set[str] = set()
     start = 0
     for e in range(1, len(events) + 1):

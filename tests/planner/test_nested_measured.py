@@ -215,6 +215,12 @@ def test_recomputation_stopping_at_a_nested_region_as_measured():
     assert p.predicted_peak_bytes == measured
     inner_start = priced.graph.nodes[regions[1].start].name
     assert p.simulation.peak_event == f"recompute-stash:{inner_start}"
+    # the timeline plot draws that stash as part of outer's recomputation
+    from planner.plots import plot_timeline
+
+    legend = plot_timeline(p).axes[0].get_legend()
+    labels = {text.get_text() for text in legend.get_texts()}
+    assert "recompute" in labels and "recompute-stash" not in labels, labels
     # measure's own fork_rng (1); then each step (the tracked one, then the timed ones): the
     # first forward's stashes of outer and inner (3); outer's recomputation: fork_rng's copy
     # (4), the inner call's stash at the stop (5); inner's recomputation, after outer's two
