@@ -11,7 +11,8 @@ the regions nested in it that read them). Asserted against
 brute force (every laminar family, scored by ``simulate``) at every budget on random chains,
 DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
 (``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
-recomputed to their end with their cache held for the whole region (``simulate.region_peak``),
+recomputed to their end, their cache handed back as simulate's Rule 6 says
+(``simulate.region_peak``),
 and three rules only estimated graphs use, which dp does not model exactly, so its prices may
 differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
 copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region, nested ones
@@ -510,10 +511,10 @@ class _Programme:
         p, root = self.p, True
         if not keep:
             return best
-        fwd_own, inner, cached_bytes, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep)
+        fwd_own, inner, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep)
         fwd = sum(p.size[t] for t, _ in crossing) + fwd_own
         held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-        held += cached_bytes + 2 * p.stash
+        held += p.stash  # its own; fork_rng's copy and the cached outputs are in ``inner``
         kept_bytes, nxt = p.stash + own_kept, list(own_nxt)
         for t, kept in crossing:
             if self.last_need(t, b, root) < j:
@@ -538,7 +539,7 @@ class _Programme:
     def selective_parts(self, c: int, j: int, b: int, keep: tuple[int, ...]) -> tuple:
         """What a selective region [c, j) at the root costs whatever crosses into it, memoised:
         (its first forward's peak above the crossing, its recomputation and backward's peak
-        relative to the gradients then, bytes it caches, bytes of its own storages it leaves
+        relative to the gradients then, its cache included, bytes of its own storages it leaves
         kept, those crossing its end, its recomputation's and overhead's time)."""
         key = (c, j, b, keep)
         got = self._selective.get(key)
@@ -560,8 +561,12 @@ class _Programme:
                     ends[end] = ends.get(end, 0) + p.size[t]
             fwd = max(fwd, alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
             alive -= ends.pop(i, 0)
-        # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
-        inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
+        # Recomputation (kept nodes skipped, their cache handed back as it reaches them: Rule
+        # 6, up to where Rule 5 stops it) and backward, relative to the gradients then.
+        reached = j
+        if self.early_stop:
+            reached = self.last_save[j] if self.last_save[j] >= c else -1
+        inner = region_peak(p, c, j, keep_set, reached, p.stash) - p.grad_after[j]
         own_kept, own_nxt = 0, []
         for i in range(c, j):
             for t in p.produced[i]:
@@ -571,8 +576,7 @@ class _Programme:
                     own_kept += p.size[t]  # cached until the region's backward ends
         cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
         cost += p.overhead_s(c, j, "selective")
-        cached_bytes = sum(p.size[t] for t in cached)
-        got = (fwd, inner, cached_bytes, own_kept, tuple(own_nxt), cost)
+        got = (fwd, inner, own_kept, tuple(own_nxt), cost)
         self._selective[key] = got
         return got
 
