@@ -57,7 +57,8 @@ outputs cached, the rest recomputed; ``solvers/selective.py``).
 
 On a module-granular graph (``CostGraph.region_spans``, for plans applied in place) regions are
 exactly the spans, nested as the module tree allows, and selective regions are offered on every
-span at the top level; the space is then every laminar family of spans.
+span at the top level; the space is then every laminar family of spans. Such a graph has few
+boundaries, so dp refines its memory grid instead of its stages (:func:`grid_levels`).
 
 Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
 (:func:`stage_bounds`): regions then begin and end only at stage boundaries, and the note says
@@ -122,6 +123,13 @@ LEVEL_GROWTH = 4
 # On a graph coarsened even at the finest level, refining stops once a level improves the
 # predicted step time by less than this fraction.
 REFINE_GAIN = 0.005
+# On a module-granular graph (few boundaries: a level takes a second or less) dp refines its
+# memory grid, GRID_GROWTH times finer each level, up to this many steps while time lasts.
+# Every byte count is rounded up to a step, so a coarse grid adds up past a tight budget: on
+# GPT-ref at SAC's measured peak (404 MiB), 2048 steps of 207 kB put SAC's own schedule 8 MiB
+# over, and dp recomputed attention scores instead.
+SPAN_GRID = 2**17
+GRID_GROWTH = 8
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,9 @@ class DPOptions(SolverOptions):
     1). ``selective`` also offers top-level selective regions between coarse cuts (matmul
     outputs kept, the rest recomputed). ``max_bounds``: on a graph with more region boundaries
     than this, dp first coarsens it into that many stages (see :func:`stage_bounds`) and
-    searches regions whose boundaries are stage boundaries (None: never)."""
+    searches regions whose boundaries are stage boundaries (None: never). ``span_grid``: on a
+    module-granular graph, dp solves again on finer grids up to that many steps while time
+    lasts and keeps the best (:func:`grid_levels`)."""
 
     max_span: int | None = DEFAULT_SPAN
     coarse_cuts: int | None = None
@@ -146,6 +156,9 @@ class DPOptions(SolverOptions):
     # Also offer top-level offload regions (simulate's Rule 7). None: when the graph's device
     # has a host link (``CostGraph.host_link``: offloading frees device memory; never on a CPU).
     offload: bool | None = None
+    # On a module-granular graph, refine ``grid`` up to this many steps while time lasts
+    # (:func:`grid_levels`; None: ``grid`` only).
+    span_grid: int | None = SPAN_GRID
 
 
 class OutOfTime(Exception):
@@ -1187,6 +1200,18 @@ def _solve_within(
     return schedule.regions, note + ", least-memory schedule", 0.0 if exact else None
 
 
+def grid_levels(graph: CostGraph, budget_bytes: float, options: DPOptions) -> list[int]:
+    """The grids dp solves a module-granular graph on in turn, coarse to fine: ``grid``, then
+    GRID_GROWTH times finer while coarser than ``span_grid`` and than 1-byte steps. One grid
+    on other graphs (their levels are :func:`stage_levels`)."""
+    grids = [options.grid]
+    if graph.region_spans is None or options.span_grid is None:
+        return grids
+    while grids[-1] < min(options.span_grid, budget_bytes):
+        grids.append(min(grids[-1] * GRID_GROWTH, options.span_grid))
+    return grids
+
+
 def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
     """The stage counts (``max_bounds``) dp solves in turn, coarse to fine: FIRST_STAGES,
     times LEVEL_GROWTH while a level keeps at most half the graph's boundaries (a coarser level
@@ -1230,28 +1255,34 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
     limit = time_limit_text(options)
-    levels = stage_levels(graph, options)
+    # (stages, grid) of each level: finer stages, or (module-granular graphs) a finer grid
+    levels = [(count, options.grid) for count in stage_levels(graph, options)]
+    if graph.region_spans is not None:
+        grids = grid_levels(graph, min(float(budget_bytes), eager), options)
+        levels = [(levels[-1][0], grid) for grid in grids]
     top = options.max_bounds
     staged = top is not None and graph.region_spans is None and len(region_bounds(graph)) > top
     best: tuple[float, tuple[Region, ...], str, float | None] | None = None
     stopped = ""
     search_end = start + 0.8 * options.time_limit_s  # the search's share, the fallback the rest
-    done: tuple[int, float] | None = None  # the last level solved: its stages and seconds
+    done: tuple[int, float] | None = None  # the last level solved: its work and seconds
     bounds = tuple(region_bounds(graph))
-    for k, count in enumerate(levels):
+    for k, (count, grid) in enumerate(levels):
         last = k == len(levels) - 1
         stages = len(stage_bounds(graph, bounds, count))
+        what = f"{count} stages" if grid == options.grid else f"a grid of {grid} steps"
         level_start = time.perf_counter()
         if done is not None and best is not None:
-            # A level's work grows about linearly with its stages (LEVEL_GROWTH): a refinement
-            # that cannot finish in the time left is not started, only to be cut short. A level
-            # that may give dp's first answer is always tried (the prediction is conservative:
-            # Mamba-128's 192 stages take 2.6 times its 48, not 3.8).
-            predicted_s = done[1] * stages / done[0]
+            # A level's work grows about linearly with its stages (LEVEL_GROWTH) and its grid
+            # (the value vectors' length): a refinement that cannot finish in the time left is
+            # not started, only to be cut short. A level that may give dp's first answer is
+            # always tried (the prediction is conservative: Mamba-128's 192 stages take 2.6
+            # times its 48, not 3.8).
+            predicted_s = done[1] * stages * grid / done[0]
             left_s = search_end - level_start
             if predicted_s > left_s:
                 stopped = (
-                    f"; refining to {count} stages not started (about {predicted_s:.0f} s "
+                    f"; refining to {what} not started (about {predicted_s:.0f} s "
                     f"predicted, {max(left_s, 0.0):.0f} s left of the {limit})"
                 )
                 break
@@ -1259,18 +1290,18 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
             regions, note, gap = _solve_within(
                 graph,
                 budget_bytes,
-                replace(options, max_bounds=count),
+                replace(options, max_bounds=count, grid=grid),
                 search_end,
                 eager,
                 least_memory=last and best is None,
             )
         except OutOfTime:
-            stopped = f"; refining to {count} stages cut short at the {limit}"
+            stopped = f"; refining to {what} cut short at the {limit}"
             break
         except _NoFit:
-            done = (stages, time.perf_counter() - level_start)
+            done = (stages * grid, time.perf_counter() - level_start)
             continue
-        done = (stages, time.perf_counter() - level_start)
+        done = (stages * grid, time.perf_counter() - level_start)
         step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
         if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
             if step_s < best[0]:
