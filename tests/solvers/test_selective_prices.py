@@ -9,7 +9,9 @@ on a 1-byte grid, must reach brute force's least budget and, at every budget, co
 than brute force's best schedule that fits. Before selective regions were priced by Rule 6,
 dp held every cached output through the region's recomputation and backward, and a second
 RNG stash through its backward: it missed selective schedules that fit by simulate, and so
-missed SAC's own policy at SAC's measured peak (GPT-ref, ``benchmarks/vs_anchors.py``)."""
+missed SAC's own policy at SAC's measured peak (GPT-ref, ``benchmarks/vs_anchors.py``).
+On a GPT-ref-shaped graph, the finer grids dp refines to on module spans are what reach SAC's
+point at SAC's peak."""
 
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from hypothesis import strategies as st
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.dp import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.registry import solve
 from planner.solvers.selective import is_matmul
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import families
-from tests.solvers.synthetic import random_chain, random_dag
+from tests.solvers.synthetic import gpt_like_graph, random_chain, random_dag
 
 
 def _with_matmuls_and_spans(graph, rng, stash_bytes):
@@ -79,3 +82,34 @@ def test_dp_finds_every_selective_schedule_that_simulate_fits(seed, n, dag, stas
         sim = simulate(graph, got)
         assert sim.peak_bytes <= budget
         assert sim.recompute_time_s <= want + 1e-9, got.regions
+
+
+def _with_module_spans(graph):
+    """``graph`` with a region span for every module whose nodes run contiguously."""
+    spans: dict[str, tuple[int, int]] = {}
+    for i, nd in enumerate(graph.nodes):
+        parts = nd.module_path.split(".") if nd.module_path else []
+        for k in range(1, len(parts) + 1):
+            path = ".".join(parts[:k])
+            spans[path] = (spans.get(path, (i, i))[0], i + 1)
+    inside = lambda i, path: (graph.nodes[i].module_path + ".").startswith(path + ".")  # noqa: E731
+    spans = {p: s for p, s in spans.items() if all(inside(i, p) for i in range(*s))}
+    return dataclasses.replace(graph, region_spans=frozenset(spans.values())), spans
+
+
+def test_at_sacs_peak_the_least_flops_plan_recomputes_no_more_than_sac():
+    """A GPT-ref-shaped graph: SAC's schedule (each block selective, its matmuls kept) is in
+    dp's space; at its peak, dp's least-FLOPs plan recomputes no more than it. On dp's first
+    grid alone (2048 steps, each byte count rounded up to 200 kB) it recomputes more than
+    SAC, attention matmuls among it: the finer grids are what find SAC's point."""
+    graph, spans = _with_module_spans(gpt_like_graph())
+    blocks = [spans[f"blocks.{i}"] for i in range(12)]
+    keep = lambda a, b: frozenset(i for i in range(a, b) if is_matmul(graph, i))  # noqa: E731
+    sac = simulate(
+        graph, Schedule(tuple(Region(a, b, 0, "selective", keep(a, b)) for a, b in blocks))
+    )
+    got = simulate(graph, solve(graph, sac.peak_bytes, "dp", "flops"))
+    assert got.peak_bytes <= sac.peak_bytes
+    assert got.recompute_flops <= sac.recompute_flops
+    coarse = simulate(graph, solve(graph, sac.peak_bytes, "dp", "flops", span_grid=None))
+    assert coarse.recompute_flops > 2 * sac.recompute_flops
