@@ -11,7 +11,8 @@ the regions nested in it that read them). Asserted against
 brute force (every laminar family, scored by ``simulate``) at every budget on random chains,
 DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
 (``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
-recomputed to their end with their cache held for the whole region (``simulate.region_peak``),
+recomputed to their end, their cache handed back as simulate's Rule 6 says
+(``simulate.region_peak``),
 and three rules only estimated graphs use, which dp does not model exactly, so its prices may
 differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
 copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region, nested ones
@@ -56,7 +57,8 @@ outputs cached, the rest recomputed; ``solvers/selective.py``).
 
 On a module-granular graph (``CostGraph.region_spans``, for plans applied in place) regions are
 exactly the spans, nested as the module tree allows, and selective regions are offered on every
-span at the top level; the space is then every laminar family of spans.
+span at the top level; the space is then every laminar family of spans. Such a graph has few
+boundaries, so dp refines its memory grid instead of its stages (:func:`grid_levels`).
 
 Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
 (:func:`stage_bounds`): regions then begin and end only at stage boundaries and span at most
@@ -131,6 +133,13 @@ REFINE_GAIN = 0.005
 # predicted to end within this share of the time limit: the user's wait buys the coarse
 # levels' large gains, not the last fraction of a percent.
 STAGED_REFINE_SHARE = 1 / 3
+# On a module-granular graph (few boundaries: a level takes a second or less) dp refines its
+# memory grid, GRID_GROWTH times finer each level, up to this many steps while time lasts.
+# Every byte count is rounded up to a step, so a coarse grid adds up past a tight budget: on
+# GPT-ref at SAC's measured peak (404 MiB), 2048 steps of 207 kB put SAC's own schedule 8 MiB
+# over, and dp recomputed attention scores instead.
+SPAN_GRID = 2**17
+GRID_GROWTH = 8
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,9 @@ class DPOptions(SolverOptions):
     than this, dp first coarsens it into that many stages (see :func:`stage_bounds`) and
     searches regions whose boundaries are stage boundaries (None: never); a region then spans
     up to ``staged_span`` stages (if less than ``max_span``). ``first_stages``: the coarsest
-    level's stages (:func:`stage_levels`)."""
+    level's stages (:func:`stage_levels`). ``span_grid``: on a module-granular graph, dp
+    solves again on finer grids up to that many steps while time lasts and keeps the best
+    (:func:`grid_levels`)."""
 
     max_span: int | None = DEFAULT_SPAN
     coarse_cuts: int | None = None
@@ -159,6 +170,9 @@ class DPOptions(SolverOptions):
     # Also offer top-level offload regions (simulate's Rule 7). None: when the graph's device
     # has a host link (``CostGraph.host_link``: offloading frees device memory; never on a CPU).
     offload: bool | None = None
+    # On a module-granular graph, refine ``grid`` up to this many steps while time lasts
+    # (:func:`grid_levels`; None: ``grid`` only).
+    span_grid: int | None = SPAN_GRID
 
 
 class OutOfTime(Exception):
@@ -540,10 +554,10 @@ class _Programme:
         p, root = self.p, True
         if not keep:
             return best
-        fwd_own, inner, cached_bytes, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep)
+        fwd_own, inner, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep)
         fwd = sum(p.size[t] for t, _ in crossing) + fwd_own
         held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-        held += cached_bytes + 2 * p.stash
+        held += p.stash  # its own; fork_rng's copy and the cached outputs are in ``inner``
         kept_bytes, nxt = p.stash + own_kept, list(own_nxt)
         for t, kept in crossing:
             if self.last_need(t, b, root) < j:
@@ -568,7 +582,7 @@ class _Programme:
     def selective_parts(self, c: int, j: int, b: int, keep: tuple[int, ...]) -> tuple:
         """What a selective region [c, j) at the root costs whatever crosses into it, memoised:
         (its first forward's peak above the crossing, its recomputation and backward's peak
-        relative to the gradients then, bytes it caches, bytes of its own storages it leaves
+        relative to the gradients then, its cache included, bytes of its own storages it leaves
         kept, those crossing its end, its recomputation's and overhead's time)."""
         key = (c, j, b, keep)
         got = self._selective.get(key)
@@ -590,8 +604,12 @@ class _Programme:
                     ends[end] = ends.get(end, 0) + p.size[t]
             fwd = max(fwd, alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
             alive -= ends.pop(i, 0)
-        # Recomputation (kept nodes skipped) and backward, relative to the gradients then.
-        inner = region_peak(p, c, j, keep_set) - p.grad_after[j]
+        # Recomputation (kept nodes skipped, their cache handed back as it reaches them: Rule
+        # 6, up to where Rule 5 stops it) and backward, relative to the gradients then.
+        reached = j
+        if self.early_stop:
+            reached = self.last_save[j] if self.last_save[j] >= c else -1
+        inner = region_peak(p, c, j, keep_set, reached, p.stash) - p.grad_after[j]
         own_kept, own_nxt = 0, []
         for i in range(c, j):
             for t in p.produced[i]:
@@ -601,8 +619,7 @@ class _Programme:
                     own_kept += p.size[t]  # cached until the region's backward ends
         cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
         cost += p.overhead_s(c, j, "selective")
-        cached_bytes = sum(p.size[t] for t in cached)
-        got = (fwd, inner, cached_bytes, own_kept, tuple(own_nxt), cost)
+        got = (fwd, inner, own_kept, tuple(own_nxt), cost)
         self._selective[key] = got
         return got
 
@@ -1215,6 +1232,18 @@ def _solve_within(
     return schedule.regions, note + ", least-memory schedule", 0.0 if exact else None
 
 
+def grid_levels(graph: CostGraph, budget_bytes: float, options: DPOptions) -> list[int]:
+    """The grids dp solves a module-granular graph on in turn, coarse to fine: ``grid``, then
+    GRID_GROWTH times finer while coarser than ``span_grid`` and than 1-byte steps. One grid
+    on other graphs (their levels are :func:`stage_levels`)."""
+    grids = [options.grid]
+    if graph.region_spans is None or options.span_grid is None:
+        return grids
+    while grids[-1] < min(options.span_grid, budget_bytes):
+        grids.append(min(grids[-1] * GRID_GROWTH, options.span_grid))
+    return grids
+
+
 def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
     """The stage counts (``max_bounds``) dp solves in turn, coarse to fine:
     ``options.first_stages``, times LEVEL_GROWTH while a level keeps at most half the graph's
@@ -1264,28 +1293,35 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
     limit = time_limit_text(options)
-    levels = stage_levels(graph, options)
+    # (stages, grid) of each level: finer stages, or (module-granular graphs) a finer grid
+    levels = [(count, options.grid) for count in stage_levels(graph, options)]
+    if graph.region_spans is not None:
+        grids = grid_levels(graph, min(float(budget_bytes), eager), options)
+        levels = [(levels[-1][0], grid) for grid in grids]
     staged = is_staged(graph, options)
     best: tuple[float, tuple[Region, ...], str, float | None] | None = None
     stopped = ""
     search_end = start + 0.8 * options.time_limit_s  # the search's share, the fallback the rest
-    done: tuple[int, float] | None = None  # the last level solved: its stages and seconds
+    done: tuple[int, float] | None = None  # the last level solved: its work and seconds
     bounds = tuple(region_bounds(graph))
-    for k, count in enumerate(levels):
+    for k, (count, grid) in enumerate(levels):
         last = k == len(levels) - 1
         stages = len(stage_bounds(graph, bounds, count))
         level = f"{count} stages" if count is not None else f"all {len(bounds)} boundaries"
-        level_options = replace(options, max_bounds=count)
+        if grid != options.grid:
+            level = f"a grid of {grid} steps"
+        level_options = replace(options, max_bounds=count, grid=grid)
         if stages < len(bounds) and options.max_span is not None:
             span = min(options.max_span, options.staged_span)
             level_options = replace(level_options, max_span=span)
         level_start = time.perf_counter()
         if done is not None and best is not None:
-            # A level's work grows about linearly with its stages (LEVEL_GROWTH): a refinement
-            # that cannot finish in the time left is not started, only to be cut short. A level
-            # that may give dp's first answer is always tried (the prediction is conservative:
-            # Mamba-128's 192 stages take 2.6 times its 48, not 3.8).
-            predicted_s = done[1] * stages / done[0]
+            # A level's work grows about linearly with its stages (LEVEL_GROWTH) and its grid
+            # (the value vectors' length): a refinement that cannot finish in the time left is
+            # not started, only to be cut short. A level that may give dp's first answer is
+            # always tried (the prediction is conservative: Mamba-128's 192 stages take 2.6
+            # times its 48, not 3.8).
+            predicted_s = done[1] * stages * grid / done[0]
             left_s = search_end - level_start
             of = f"the {limit}"
             share_end = start + STAGED_REFINE_SHARE * options.time_limit_s
@@ -1313,9 +1349,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
             stopped = f"; refining to {level} cut short at the {limit}"
             break
         except _NoFit:
-            done = (stages, time.perf_counter() - level_start)
+            done = (stages * grid, time.perf_counter() - level_start)
             continue
-        done = (stages, time.perf_counter() - level_start)
+        done = (stages * grid, time.perf_counter() - level_start)
         step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
         if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
             if step_s < best[0]:

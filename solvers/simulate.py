@@ -563,40 +563,57 @@ class RegionPrices(Protocol):
     grad_after: Sequence[int]  # the same once node i's backward is done (index n: none done)
 
 
-def region_peak(p: RegionPrices, start: int, stop: int, keep: Collection[int] = ()) -> int:
+def region_peak(
+    p: RegionPrices,
+    start: int,
+    stop: int,
+    keep: Collection[int] = (),
+    reached: int | None = None,
+    recompute_extra: int = 0,
+) -> int:
     """Peak of region [start, stop)'s recomputation and backward, with nothing nested in it and
     recomputed to its end, above what the rest of the step keeps meanwhile (gradient buffers
-    included): Rules 1, 2 and 4 in closed form, what a DP or an ILP prices a region at. Nodes
-    in ``keep`` (a selective region's, Rule 6) are not recomputed and read nothing; their
-    cached outputs are not counted here (the first forward holds them)."""
-    inside = [t for i in range(start, stop) if i not in keep for t in p.produced[i]]
+    included): Rules 1, 2 and 4 in closed form, what a DP or an ILP prices a region at.
+
+    Nodes in ``keep`` (a selective region's) are priced by Rule 6: they are not recomputed and
+    read nothing; their cached outputs are alive as the recomputation starts, and a kept node
+    before ``reached`` (where Rule 5 stops the recomputation; None: the region's end) hands its
+    outputs back, which then live as recomputed ones (to their last recomputed reader, or from
+    the backward of their first saver in the region on); the others stay to the region's end.
+    ``recompute_extra``: bytes held while the recomputation runs, not in backward (Rule 12's
+    fork_rng copy)."""
+    reached = stop if reached is None else reached
+    inside = [t for i in range(start, stop) for t in p.produced[i]]
     saved_in = {t: [s for s in p.savers[t] if start <= s < stop] for t in inside}
     # the last recomputed reader; kept nodes do not run again
     last_in = {
         t: max([p.producer[t], *[u for u in p.needers[t] if u < stop and u not in keep]])
         for t in inside
     }
-    fwd_peak, live = 0, 0
+    held_whole = {t for i in keep if start <= i < stop and i >= reached for t in p.produced[i]}
+    fwd_peak = live = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
     ends: dict[int, int] = {}
     for i in range(start, stop):
-        if i in keep:
-            continue
+        if i not in keep:
+            for t in p.produced[i]:
+                live += p.size[t]
+            fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
         for t in p.produced[i]:
-            live += p.size[t]
-            if not saved_in[t]:  # else saved inside: it stays for the region's backward
+            if not saved_in[t] and t not in held_whole:  # else it stays for the backward
                 ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
-        fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
         live -= ends.pop(i, 0)
     # At node i's backward the region holds what something at or before i saves (Rule 1).
     from_node = [0] * (stop - start)
     for t in inside:
-        if saved_in[t]:
+        if t in held_whole:
+            from_node[0] += p.size[t]
+        elif saved_in[t]:
             from_node[min(saved_in[t]) - start] += p.size[t]
     bwd_peak, held = 0, 0
     for i in range(start, stop):
         held += from_node[i - start]
         bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
-    return max(bwd_peak, p.grad_after[stop] + fwd_peak)
+    return max(bwd_peak, p.grad_after[stop] + fwd_peak + recompute_extra)
 
 
 def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
