@@ -17,7 +17,8 @@ predicted step time beside it, and the rows are ranked by measured time as well 
 Every row is one ``planner.measure`` step (compiled rows via the profiler's allocation events,
 since a dispatch-mode tracker makes dynamo run eager). Recompute FLOPs % is the step's FLOPs over
 eager's minus one, counted by ``FlopCounterMode``'s formulas: on the eager step for hand-written
-checkpointing, on the forward and backward graphs inductor actually compiles for torch.compile.
+checkpointing, on the forward and backward graphs inductor actually compiles for torch.compile
+(the anchors and planner's compiled rows alike).
 
     python -m benchmarks.vs_anchors            # GPT-ref, writes the BENCHMARKS.md section
     python -m benchmarks.vs_anchors --small    # GPT-ref-small smoke run, prints only
