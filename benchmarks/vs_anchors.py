@@ -17,7 +17,8 @@ predicted step time beside it, and the rows are ranked by measured time as well 
 Every row is one ``planner.measure`` step (compiled rows via the profiler's allocation events,
 since a dispatch-mode tracker makes dynamo run eager). Recompute FLOPs % is the step's FLOPs over
 eager's minus one, counted by ``FlopCounterMode``'s formulas: on the eager step for hand-written
-checkpointing, on the forward and backward graphs inductor actually compiles for torch.compile.
+checkpointing, on the forward and backward graphs inductor actually compiles for torch.compile
+(the anchors and planner's compiled rows alike).
 
     python -m benchmarks.vs_anchors            # GPT-ref, writes the BENCHMARKS.md section
     python -m benchmarks.vs_anchors --small    # GPT-ref-small smoke run, prints only
@@ -200,13 +201,19 @@ def compile_with_budget(
     if backend not in backends:
         raise ValueError(f"backend must be one of {sorted(backends)}, got {backend!r}")
 
+    def with_budget(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        # The budget goes with the backend, not with the first call: dynamo recompiles a kept
+        # module after any torch._dynamo.reset() (the next row's compile), and a budget patched
+        # around the first step only would be back at 1.0 by then. The autograd cache would
+        # skip partitioning and inner_compile, leaving nothing counted.
+        with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False):
+            return backends[backend](gm, example_inputs)
+
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backends[backend])
-    # the autograd cache would skip partitioning and inner_compile, leaving nothing counted
-    with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False):
-        start_s = time.perf_counter()
-        training_loss(call(compiled, example_input)).backward()
-        compile_s = time.perf_counter() - start_s
+    compiled = torch.compile(model, backend=with_budget)
+    start_s = time.perf_counter()
+    training_loss(call(compiled, example_input)).backward()
+    compile_s = time.perf_counter() - start_s
     for p in model.parameters():
         p.grad = None
     return compiled, compile_s, sum(compiled_flops)
@@ -326,13 +333,14 @@ def planner_rows(
             log(f"{name}: {note}")
             continue
         plan_s = time.perf_counter() - start_s
-        flops = step_flops(plan.module, x)
-        module = plan.module
         if compiled:
-            module = torch.compile(plan.module, backend=compile_backend)
-            start_s = time.perf_counter()
-            training_loss(call(module, x)).backward()  # compiles
-            plan_s += time.perf_counter() - start_s
+            # torch.compile(plan.module) as a user would (budget 1.0, torch's default), through
+            # the anchors' backend, FLOPs counted on the graphs it compiles: inside a region
+            # the partitioner keeps what the plan keeps and recomputes the rest
+            module, compile_s, flops = compile_with_budget(plan.module, x, 1.0, compile_backend)
+            plan_s += compile_s
+        else:
+            module, flops = plan.module, step_flops(plan.module, x)
         m = measure(module, x, warmup=0, repeats=repeats)
         note = f"solver {plan.solver}, predicted {plan.predicted_peak_bytes / MiB:.1f} MiB"
         row = _row(name, m, flops, plan_s, note=note)

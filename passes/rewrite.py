@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.checkpoint import (
@@ -135,10 +136,17 @@ def region_name(gm: fx.GraphModule, nodes: Iterable[str | fx.Node], taken: set[s
 # --------------------------------------------------------------------------- the region module
 
 _save_state = threading.local()
+_SAVE_ANNOTATION = "planner_save_output"
 
 
 def save_output(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``op``; inside a selective region its outputs are kept for backward, not recomputed."""
+    if torch.compiler.is_compiling():
+        # Under torch.compile the policy runs later, while AOT autograd replays dynamo's graph
+        # node by node; a counter set here at trace time is gone by then. An fx annotation is
+        # recorded on the op's node, and the replay makes it the current meta again.
+        with fx_traceback.annotate({_SAVE_ANNOTATION: True}):
+            return op(*args, **kwargs)
     _save_state.depth = getattr(_save_state, "depth", 0) + 1
     try:
         return op(*args, **kwargs)
@@ -149,9 +157,16 @@ def save_output(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     # A saved op may decompose into views of its inputs (matmul expands and reshapes them);
     # caching those views would keep the inputs' storages, e.g. an S x S softmax, alive.
-    if getattr(_save_state, "depth", 0) and not getattr(op, "is_view", False):
+    if getattr(op, "is_view", False):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if getattr(_save_state, "depth", 0) or _annotated_save():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _annotated_save() -> bool:
+    """True while torch.compile replays an op that ``save_output`` annotated."""
+    return bool(fx_traceback.current_meta.get("custom", {}).get(_SAVE_ANNOTATION))
 
 
 @contextlib.contextmanager

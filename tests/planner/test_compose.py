@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,3 +159,50 @@ def test_compile_batchnorm_state_once_per_step():
     assert model.stem[1].num_batches_tracked.item() == 3
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def _backward_addmms(module, example_input) -> int:
+    """addmm calls in the backward graph inductor's partitioner makes (min-cut, inductor's
+    decompositions; graphs run eagerly): each one is a linear recomputed in backward."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import select_decomp_table
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=keep,
+        bw_compiler=keep,
+        decompositions=select_decomp_table(),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )
+    torch._dynamo.reset()
+    # a cached graph would skip the partitioner
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        step(torch.compile(module, backend=backend), example_input, list(module.parameters()))
+    forward, backward = graphs
+    return sum(n.target is torch.ops.aten.addmm.default for n in backward.graph.nodes)
+
+
+def test_compile_selective_regions_keep_what_they_save():
+    """Under torch.compile a selective region still keeps the ops planner saves: the
+    partitioner sees them as MUST_SAVE and recomputes none of its linears in backward (it
+    used to see every op as PREFER_RECOMPUTE and recompute all of them, like a plain region)."""
+    from tests.passes.test_rewrite_training import _is_matmul, _regions
+
+    model, example_input = _build(GPTConfig(**{**TINY.__dict__, "dropout": 0.1}))
+    gm = capture(model, example_input).module
+    blocks = ["blocks.0", "blocks.1"]
+    plain = rewrite(gm, _regions(gm, blocks))
+    selective = rewrite(gm, _regions(gm, blocks, kind="selective", saved=_is_matmul))
+    # 4 biased linears a block, 2 blocks, all recomputed but the last block's output
+    # projection: only dropout (its mask is saved, random ops never recompute) and the
+    # residual add read it, and neither needs it in backward
+    assert _backward_addmms(plain, example_input) == 7
+    assert _backward_addmms(selective, example_input) == 0
+    torch._dynamo.reset()
+    assert_same_step(model, torch.compile(selective, backend="aot_eager"), example_input)

@@ -158,10 +158,15 @@ def test_compiled_flops_count_what_the_partitioner_recomputes():
     model, x = gpt_ref_small_example()
     compiled, _, keep_none_flops = compile_with_budget(model, x, 0.0, backend="aot_eager")
     keep_none = measure(compiled, x, warmup=0)
+    # the next row's compile resets dynamo, and the kept module recompiles (in a warm-up step):
+    # still with its own budget, not torch's default 1.0
+    torch._dynamo.reset()
+    recompiled = measure(compiled, x, warmup=1)
     torch._dynamo.reset()
     assert keep_all_flops == eager_flops
     assert keep_none_flops > 1.3 * eager_flops
     assert keep_none.method == "profiler" and keep_none.saved_bytes == 0
+    assert recompiled.saved_bytes == 0
 
 
 def test_tracker_counts_the_rng_state_a_checkpoint_stashes():
