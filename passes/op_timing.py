@@ -197,7 +197,7 @@ _CHECKPOINT_OVERHEAD: dict[str, CheckpointOverhead] = {}
 
 
 def checkpoint_overhead(
-    device: torch.device, regions: int = 16, repeats: int = 21
+    device: torch.device, regions: int = 16, repeats: int = 9
 ) -> CheckpointOverhead:
     """The checkpoint overhead on ``device``, fitted on chains of tiny regions (1 and 8 layers of
     two saving ops each) stepped plain, checkpointed and selectively checkpointed: each step's

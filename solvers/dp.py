@@ -115,8 +115,9 @@ DEFAULT_COARSE_SPAN = 8
 # with boundaries times span cubed, and past a few hundred it no longer fits a time limit.
 DEFAULT_MAX_BOUNDS = 384
 # A stage holds several boundaries, so a region reaches as far in fewer of them: on the 10k
-# chain, Mamba-128 and the 7B shape, 6 stages plan within 0.01% of 8's step time, 15-25% sooner.
-DEFAULT_STAGED_SPAN = 6
+# chain, Mamba-128 and the 7B shape, 4 stages plan within 0.04% of 8's step time (Mamba and 7B
+# the same plans), 10-35% sooner.
+DEFAULT_STAGED_SPAN = 4
 # dp solves a graph with more region boundaries than this coarse to fine, from this many
 # stages up: an answer early, then better ones while time lasts.
 FIRST_STAGES = 48
