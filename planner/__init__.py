@@ -19,6 +19,7 @@ from planner.solvers.errors import (
     InvalidBudgetError,
     PlanFileError,
     PlannerError,
+    RecomputeCapError,
     UnsupportedModelError,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "Plan",
     "PlanFileError",
     "PlannerError",
+    "RecomputeCapError",
     "Region",
     "UnsupportedModelError",
     "apply_plan",

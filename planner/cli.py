@@ -246,7 +246,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         budget_bytes = (
             round(value * priced.eager_peak_bytes) if kind == "fraction" else round(value)
         )
-        p = priced.plan(budget_bytes, args.solver, objective=args.objective, on_step=on_step)
+        p = priced.plan(
+            budget_bytes,
+            args.solver,
+            objective=args.objective,
+            max_recompute_flops_fraction=(
+                None if args.max_recompute_flops is None else args.max_recompute_flops / 100
+            ),
+            on_step=on_step,
+        )
         bar.update()
     out = _console()
     out.print(p.summary(verbose=args.verbose), highlight=False, markup=False)
@@ -509,6 +517,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="time",
         help="what to minimise within the budget: predicted step time (default) or recomputed "
         "FLOPs (the same plan on any machine)",
+    )
+    plan.add_argument(
+        "--max-recompute-flops",
+        type=float,
+        metavar="PERCENT",
+        help="recompute at most this percentage of the step's FLOPs (0.5: half a percent), "
+        "the fastest such plan",
     )
     plan.add_argument("--out", metavar="PLAN.json", help="save the plan here (for apply_plan)")
     plan.add_argument("--measure", action="store_true", help="also run and measure a real step")

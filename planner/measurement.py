@@ -148,31 +148,50 @@ def time_step(
 def measured_step_time(
     module_or_model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None = None
 ) -> StepTime | None:
-    """The step's time as a planner prices it on its own device: a warm-up step, then the
-    median of enough steps to fill a tenth of a second (3 to 9), and as many with the whole
-    forward under one non-reentrant checkpoint, plain and selective (``StepTime.checkpointed_s``,
-    ``selective_s``; None if the model cannot run that way). None when the unplanned step does
-    not fit in the device's memory (the reason to plan)."""
-    try:
-        first = time_step(module_or_model, example_input, loss_fn, warmup=1, repeats=1)
-        repeats = min(9, max(3, math.ceil(0.1 / max(first.step_s, 1e-6))))
-        plain = time_step(module_or_model, example_input, loss_fn, warmup=0, repeats=repeats)
-    except torch.cuda.OutOfMemoryError:
-        return None
-    try:
-        timed = [
-            time_step(
-                _CheckpointedWhole(module_or_model, selective),
-                example_input,
-                loss_fn,
-                warmup=1,
-                repeats=repeats,
-            ).step_s
-            for selective in (False, True)
-        ]
-    except Exception:  # e.g. a forward that cannot run twice alike: leave recomputation unfitted
+    """The step's time as a planner prices it on its own device: the plain step, and the step
+    with the whole forward under one non-reentrant checkpoint, plain and selective
+    (``StepTime.checkpointed_s``, ``selective_s``; None if the model cannot run that way).
+
+    A warm-up of each, then rounds of one step of each in turn (enough to fill a tenth of a
+    second, 3 to 9) and the median of each: the prices rest on the differences between the
+    three, and interleaving makes a drifting machine load hit them alike (measured one after
+    another, the selective policy's fitted cost per call varied fourfold between two plans of
+    one model). None when the unplanned step does not fit in the device's memory (the reason
+    to plan)."""
+    device = _device_of(module_or_model, example_input)
+    steps = {
+        "plain": module_or_model,
+        "checkpointed": _CheckpointedWhole(module_or_model),
+        "selective": _CheckpointedWhole(module_or_model, selective=True),
+    }
+    with _restored_state(module_or_model, device):
+        try:
+            # a warm-up (lazy initialisation, allocator growth), then one to size the rounds
+            _timed_steps(module_or_model, example_input, loss_fn, device, 1)
+            first = _timed_steps(module_or_model, example_input, loss_fn, device, 1)
+        except torch.cuda.OutOfMemoryError:
+            return None
+        try:
+            for kind in ("checkpointed", "selective"):
+                _timed_steps(steps[kind], example_input, loss_fn, device, 1)
+        except Exception:  # e.g. a forward that cannot run twice alike: recomputation unfitted
+            del steps["checkpointed"], steps["selective"]
+        rounds = min(9, max(3, math.ceil(0.1 / max(first.step_s, 1e-6))))
+        timed: dict[str, list[StepTime]] = {kind: [] for kind in steps}
+        for _ in range(rounds):
+            for kind, module in steps.items():
+                timed[kind].append(_timed_steps(module, example_input, loss_fn, device, 1))
+    plain = StepTime(
+        statistics.median(t.forward_s for t in timed["plain"]),
+        statistics.median(t.backward_s for t in timed["plain"]),
+    )
+    if "selective" not in timed:
         return plain
-    return dataclasses.replace(plain, checkpointed_s=timed[0], selective_s=timed[1])
+    return dataclasses.replace(
+        plain,
+        checkpointed_s=statistics.median(t.step_s for t in timed["checkpointed"]),
+        selective_s=statistics.median(t.step_s for t in timed["selective"]),
+    )
 
 
 def _recompute_every_op(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

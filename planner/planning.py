@@ -156,15 +156,19 @@ class PricedModel:
         solver: str = "auto",
         *,
         objective: Objective = "time",
+        max_recompute_flops_fraction: float | None = None,
         **solver_opts: Any,
     ) -> Schedule:
         """Step 3: the schedule ``solver`` chooses for ``budget_bytes``, minimising
-        ``objective`` (``"time"`` or ``"flops"``, see ``graph_for_objective``).
+        ``objective`` (``"time"`` or ``"flops"``, see ``graph_for_objective``), recomputing at
+        most ``max_recompute_flops_fraction`` of the step's FLOPs if given (see :func:`plan`).
 
         ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
         error to raise).
         """
-        return solve(self.graph, budget_bytes, solver, objective, **solver_opts)
+        return solve(
+            self.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
+        )
 
     def build(
         self,
@@ -185,13 +189,20 @@ class PricedModel:
         solver: str = "auto",
         *,
         objective: Objective = "time",
+        max_recompute_flops_fraction: float | None = None,
         on_step: OnStep = _no_progress,
         **solver_opts: Any,
     ) -> Plan:
         """Steps 3 and 4: solve for ``budget_bytes`` with ``solver`` and build the plan."""
         on_step("solve")
         t0 = time.perf_counter()
-        schedule = self.solve(budget_bytes, solver, objective=objective, **solver_opts)
+        schedule = self.solve(
+            budget_bytes,
+            solver,
+            objective=objective,
+            max_recompute_flops_fraction=max_recompute_flops_fraction,
+            **solver_opts,
+        )
         solve_time_s = time.perf_counter() - t0
         on_step("build")
         return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
@@ -254,6 +265,7 @@ def plan(
     device: str | DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
     objective: Objective = "time",
+    max_recompute_flops_fraction: float | None = None,
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -273,6 +285,10 @@ def plan(
     ``objective``: what the solver minimises within the budget, the predicted step time
     (``"time"``) or the recomputed FLOPs (``"flops"``: deterministic, the same plan on any
     machine; ties go to the faster plan). Either way the plan reports its predicted time.
+    ``max_recompute_flops_fraction``: recompute at most this fraction of the step's FLOPs
+    (``0.005``: 0.5%), the fastest such plan; trading time against FLOPs takes about ten
+    solves. Raises ``RecomputeCapError`` (with the least fraction reachable) when no plan
+    within the budget does.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     if form not in FORMS:
@@ -294,11 +310,19 @@ def plan(
         check_span_solver(solver)
         eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
         start_s = time.perf_counter()
-        schedule = solve(eg.graph, budget_bytes, solver, objective, **solver_opts)
+        schedule = solve(
+            eg.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
+        )
         solve_time_s = time.perf_counter() - start_s
         return build_inplace_plan(model, eg, schedule, budget_bytes, solve_time_s=solve_time_s)
     priced = price(model, example_input, loss_fn=loss_fn, device=device)
-    return priced.plan(budget_bytes, solver, objective=objective, **solver_opts)
+    return priced.plan(
+        budget_bytes,
+        solver,
+        objective=objective,
+        max_recompute_flops_fraction=max_recompute_flops_fraction,
+        **solver_opts,
+    )
 
 
 def apply_plan(

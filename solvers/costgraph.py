@@ -264,19 +264,26 @@ class Schedule:
 
 def graph_for_objective(graph: CostGraph, objective: Objective) -> CostGraph:
     """The graph a solver sees so that minimising its recomputation time minimises
-    ``objective``: ``graph`` itself for ``"time"``; for ``"flops"``, every node's forward is
-    re-timed as its FLOPs at ``graph.flops_per_s`` (plus its predicted recomputation time
-    weighted by FLOPS_OBJECTIVE_TIME_WEIGHT, as is checkpointing's own overhead). Memory is
+    ``objective``: ``graph`` itself for ``"time"``; for ``"flops"``, the recomputed FLOPs with
+    the predicted time at FLOPS_OBJECTIVE_TIME_WEIGHT (:func:`weighted_graph`). Memory is
     unchanged, so plans fit the same budgets; predict a plan's time on ``graph``, not on this."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective == "time":
         return graph
-    w = FLOPS_OBJECTIVE_TIME_WEIGHT
+    return weighted_graph(graph, flops_weight=1.0, time_weight=FLOPS_OBJECTIVE_TIME_WEIGHT)
+
+
+def weighted_graph(graph: CostGraph, flops_weight: float, time_weight: float = 1.0) -> CostGraph:
+    """``graph`` with every node's forward re-timed so that a solver minimising recomputation
+    time minimises ``time_weight`` x the predicted recomputation time (checkpointing's own
+    overhead included) + ``flops_weight`` x the recomputed FLOPs' time at ``graph.flops_per_s``.
+    Memory is unchanged."""
     nodes = tuple(
         replace(
             n,
-            fwd_time_s=n.fwd_flops / graph.flops_per_s + w * graph.node_recompute_time_s(i),
+            fwd_time_s=flops_weight * n.fwd_flops / graph.flops_per_s
+            + time_weight * graph.node_recompute_time_s(i),
         )
         for i, n in enumerate(graph.nodes)
     )
@@ -284,7 +291,7 @@ def graph_for_objective(graph: CostGraph, objective: Objective) -> CostGraph:
         graph,
         nodes=nodes,
         recompute_scale=1.0,
-        region_overhead_s=w * graph.region_overhead_s,
-        saving_node_overhead_s=w * graph.saving_node_overhead_s,
-        selective_call_overhead_s=w * graph.selective_call_overhead_s,
+        region_overhead_s=time_weight * graph.region_overhead_s,
+        saving_node_overhead_s=time_weight * graph.saving_node_overhead_s,
+        selective_call_overhead_s=time_weight * graph.selective_call_overhead_s,
     )

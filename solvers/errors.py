@@ -41,6 +41,11 @@ def size_text(n_bytes: float) -> str:
     return f"{n_bytes:.0f} bytes ({n_bytes / 1e9:.3g} GB)"
 
 
+class RecomputeCapError(PlannerError):
+    """No schedule within the budget recomputes as few FLOPs as ``max_recompute_flops_fraction``
+    allows (the message says the least any does)."""
+
+
 class InvalidBudgetError(PlannerError, ValueError):
     """A budget that is not a positive finite number of gigabytes."""
 

@@ -16,7 +16,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from planner.solvers.costgraph import CostGraph, Objective, Schedule, graph_for_objective
+from planner.solvers.costgraph import (
+    CostGraph,
+    Objective,
+    Schedule,
+    graph_for_objective,
+    weighted_graph,
+)
+from planner.solvers.errors import RecomputeCapError
+from planner.solvers.simulate import simulate
 
 # Every solver returns within this many seconds unless told otherwise (the whole of plan()'s
 # solve step: ``auto`` shares it among the solvers it runs).
@@ -146,12 +154,100 @@ def solve(
     budget_bytes: float,
     solver: str = "auto",
     objective: Objective = "time",
+    max_recompute_flops_fraction: float | None = None,
     **opts: Any,
 ) -> Schedule:
     """Solver ``solver``'s schedule for ``graph`` within ``budget_bytes``, minimising
-    ``objective`` (``graph_for_objective``); a "flops" schedule's note says so."""
-    schedule = get_solver(solver)(graph_for_objective(graph, objective), budget_bytes, **opts)
+    ``objective`` (``graph_for_objective``); a "flops" schedule's note says so.
+
+    ``max_recompute_flops_fraction``: recompute at most this fraction of the step's FLOPs
+    (0.005: 0.5%), the fastest such schedule for ``"time"`` (:func:`_within_flops_cap`);
+    RecomputeCapError when none within the budget does."""
+    solve_fn = get_solver(solver)
+    if max_recompute_flops_fraction is not None:
+        if not 0 <= max_recompute_flops_fraction < float("inf"):
+            raise ValueError(
+                f"max_recompute_flops_fraction must be a fraction >= 0 of the step's FLOPs "
+                f"(0.005 for 0.5%), got {max_recompute_flops_fraction!r}"
+            )
+        cap_flops = max_recompute_flops_fraction * graph.step_flops
+        return _within_flops_cap(graph, budget_bytes, solve_fn, objective, cap_flops, opts)
+    schedule = solve_fn(graph_for_objective(graph, objective), budget_bytes, **opts)
     if objective == "time":
         return schedule
-    said = "minimised recomputed FLOPs (objective='flops'), ties to the faster"
+    return _noted(schedule, "minimised recomputed FLOPs (objective='flops'), ties to the faster")
+
+
+# The FLOPs weight _within_flops_cap searches, in octaves around the graph's own exchange rate
+# (its recomputation seconds per second of its FLOPs at flops_per_s), and the halvings of that
+# range it makes, a solve each: to a 2^(20/2^8) = 1.06x step in the weight.
+CAP_WEIGHT_OCTAVES = (-8.0, 12.0)
+CAP_SEARCH_STEPS = 8
+
+
+def _within_flops_cap(
+    graph: CostGraph,
+    budget_bytes: float,
+    solve_fn: SolverFn,
+    objective: Objective,
+    cap_flops: float,
+    opts: dict[str, Any],
+) -> Schedule:
+    """The fastest schedule found that recomputes at most ``cap_flops``.
+
+    Time and FLOPs are traded by a weight on the FLOPs (``weighted_graph``, a Lagrangian
+    relaxation of the cap): weight 0 is the fastest schedule, a large one the fewest FLOPs
+    (``objective="flops"``). The weight is bisected (geometrically) between the two for the
+    smallest one whose schedule keeps to the cap; of the schedules that do, the fastest
+    predicted on ``graph``. Exact for the cost model at the trade-offs the weights reach (the
+    convex hull of time against FLOPs), and within the weight's last step between them.
+    """
+
+    def attempt(flops_weight: float | None) -> tuple[Schedule, float, int]:
+        seen = (
+            graph_for_objective(graph, "flops")
+            if flops_weight is None
+            else weighted_graph(graph, flops_weight)
+        )
+        schedule = solve_fn(seen, budget_bytes, **opts)
+        sim = simulate(graph, schedule)
+        return schedule, sim.step_time_s, sim.recompute_flops
+
+    least = attempt(None)
+    cap_text = f"{cap_flops / max(graph.step_flops, 1):.2%} of the step's FLOPs"
+    if least[2] > cap_flops:
+        raise RecomputeCapError(
+            f"no schedule within the budget recomputes at most {cap_text}: the least any "
+            f"recomputes is {least[2] / max(graph.step_flops, 1):.2%} (objective='flops'). "
+            f"Raise max_recompute_flops_fraction to at least "
+            f"{least[2] / max(graph.step_flops, 1):.4g}, or raise mem_budget_gb."
+        )
+    if objective == "flops":
+        return _noted(least[0], f"minimised recomputed FLOPs, within {cap_text}")
+    best = least
+    fastest = attempt(0.0)
+    solves = 2
+    if fastest[2] <= cap_flops:
+        best = fastest
+    else:
+        flops_s = sum(n.fwd_flops for n in graph.nodes) / graph.flops_per_s
+        rate = sum(graph.node_recompute_time_s(i) for i in range(len(graph.nodes))) / flops_s
+        low, high = CAP_WEIGHT_OCTAVES  # high: taken to keep to the cap (least's side)
+        for _ in range(CAP_SEARCH_STEPS):
+            middle = (low + high) / 2
+            found = attempt(rate * 2.0**middle)
+            solves += 1
+            if found[2] <= cap_flops:
+                high = middle
+                best = min(best, found, key=lambda f: f[1])
+            else:
+                low = middle
+    return _noted(
+        best[0],
+        f"minimised predicted time within {cap_text} recomputed ({solves} solves trading "
+        f"time against FLOPs)",
+    )
+
+
+def _noted(schedule: Schedule, said: str) -> Schedule:
     return dataclasses.replace(schedule, note=f"{schedule.note}; {said}" if schedule.note else said)

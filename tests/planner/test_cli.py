@@ -168,6 +168,9 @@ def test_plan_minimises_flops_when_asked(tmp_path, capsys):
     assert "minimised recomputed FLOPs" in out and "0 checkpoint regions" not in out
     assert main(argv) == 0
     assert "minimised recomputed FLOPs" not in " ".join(capsys.readouterr().out.split())
+    assert main([*argv, "--max-recompute-flops", "0.5"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "within 0.50% of the step's FLOPs recomputed" in out
 
 
 def test_a_model_without_example_input_needs_a_shape(capsys):

@@ -6,10 +6,13 @@ time than SAC's own schedule priced on the same graph."""
 
 from __future__ import annotations
 
+import pytest
+
 import planner
 from benchmarks.models import gpt_ref_small_example
 from benchmarks.vs_anchors import selective_save_matmuls, step_flops
 from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.registry import solve
 from planner.solvers.selective import is_matmul
 from planner.solvers.simulate import simulate
 
@@ -51,3 +54,31 @@ def test_least_flops_plan_at_sacs_measured_peak_fits_recomputes_no_more_and_wrap
     assert len(plan.regions) < n_layer
     assert plan.predicted_step_time_s < sac_sim.step_time_s
     assert plan.simulation.recompute_time_s < sac_sim.recompute_time_s
+
+
+def test_plan_within_half_a_point_of_flops_at_sacs_peak_keeps_to_the_cap_measured():
+    sac_model, x = gpt_ref_small_example()
+    sac = planner.measure(selective_save_matmuls(sac_model), x, warmup=1, repeats=1)
+    model, _ = gpt_ref_small_example()
+    eager_flops = step_flops(model, x)
+    budget_gb = sac.peak_bytes / 1e9
+
+    plan = planner.plan(model, x, budget_gb, form="inplace", max_recompute_flops_fraction=0.005)
+    assert plan.predicted_recompute_flops <= 0.005 * plan.step_flops
+    assert "within 0.50% of the step's FLOPs" in plan.schedule.note
+    least_flops = simulate(plan.graph, solve(plan.graph, sac.peak_bytes, "auto", "flops"))
+    assert plan.predicted_step_time_s <= least_flops.step_time_s
+    fresh, _ = gpt_ref_small_example()
+    plan.apply(fresh)
+    assert planner.measure(fresh, x, warmup=1, repeats=1).peak_bytes <= sac.peak_bytes
+    assert step_flops(fresh, x) - eager_flops <= 0.005 * eager_flops
+
+    eager = planner.measure(model, x, warmup=1, repeats=1)
+    with pytest.raises(planner.RecomputeCapError, match="Raise max_recompute_flops_fraction"):
+        planner.plan(
+            model,
+            x,
+            0.75 * eager.peak_bytes / 1e9,
+            form="inplace",
+            max_recompute_flops_fraction=0.0,
+        )

@@ -14,7 +14,7 @@ from benchmarks.models import (
     mlp_example,
     residual_cnn_example,
 )
-from planner.measurement import measure
+from planner.measurement import measure, measured_step_time
 from planner.passes.step import call, split_input, training_loss
 
 F32 = 4
@@ -119,7 +119,12 @@ def test_compiled_module_is_measured_with_the_profiler():
     torch._dynamo.reset()
 
 
-def test_leaves_grads_buffers_and_rng_as_found():
+@pytest.mark.parametrize(
+    "run",
+    [lambda m, x: measure(m, x, warmup=1, repeats=2), measured_step_time],
+    ids=["measure", "measured_step_time"],
+)
+def test_leaves_grads_buffers_and_rng_as_found(run):
     model, x = residual_cnn_example(batch=4, size=16)
     training_loss(model(x)).backward()
     grads = [p.grad for p in model.parameters()]
@@ -128,13 +133,40 @@ def test_leaves_grads_buffers_and_rng_as_found():
     running_mean, batches = bn.running_mean.clone(), bn.num_batches_tracked.clone()
     rng = torch.get_rng_state()
 
-    measure(model, x, warmup=1, repeats=2)
+    run(model, x)
 
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
     assert all(torch.equal(g, v) for g, v in zip(grads, grad_values))
     assert torch.equal(bn.running_mean, running_mean)
     assert torch.equal(bn.num_batches_tracked, batches)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _GrowsEachCall(nn.Module):
+    """Reads another number of rows each call: a recomputation does not redo its forward alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.linear(x)[: 1 + self.calls % 3]
+        return (y * y).sum()
+
+
+def test_step_time_prices_recomputation_when_the_model_can_be_checkpointed():
+    model, x = residual_cnn_example(batch=4, size=16)
+    timed = measured_step_time(model, x)
+    assert timed is not None and timed.forward_s > 0 and timed.backward_s > 0
+    # the whole forward recomputed costs time beside the plain step, the policy's dispatch more
+    assert timed.checkpointed_s > timed.step_s
+    assert timed.selective_s > timed.step_s
+
+    plain_only = measured_step_time(_GrowsEachCall(), torch.randn(4, 8))
+    assert plain_only is not None and plain_only.step_s > 0
+    assert plain_only.checkpointed_s is None and plain_only.selective_s is None
 
 
 def test_rejects_unknown_method_and_bad_counts():

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Schedule, graph_for_objective
+from planner.solvers.errors import RecomputeCapError
 from planner.solvers.registry import solve
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import families
@@ -65,3 +66,76 @@ def test_time_objective_is_the_graph_itself_and_unknown_objectives_are_refused()
     assert graph_for_objective(graph, "time") is graph
     with pytest.raises(ValueError, match="objective must be one of"):
         graph_for_objective(graph, "memory")
+
+
+def _scored_within(graph, budget):
+    return [
+        (sim.recompute_flops, sim.recompute_time_s)
+        for sim in (simulate(graph, Schedule(tuple(f))) for f in families(0, len(graph.nodes)))
+        if sim.peak_bytes <= budget
+    ]
+
+
+def _capped(graph, budget, cap_flops, objective="time"):
+    # half a FLOP above the cap: a whole number of FLOPs at the cap keeps to it
+    fraction = (cap_flops + 0.5) / graph.step_flops
+    return solve(
+        graph,
+        budget,
+        "dp",
+        objective,
+        max_recompute_flops_fraction=fraction,
+        max_span=None,
+        grid=simulate(graph, Schedule()).peak_bytes,
+        selective=False,
+    )
+
+
+def _trade_off(scored):
+    """The points of (recomputed FLOPs, time) that some FLOPs weight makes optimal: the lower
+    convex hull of time against FLOPs, fewest FLOPs first."""
+    hull = set()
+    for w in (0.0, *(2.0**k for k in range(-30, 31))):
+        best = min(t + w * f for f, t in scored)
+        hull.add(min((f, t) for f, t in scored if t + w * f <= best + 1e-12))
+    return sorted(hull)
+
+
+def _assert_cap_reaches_the_trade_off(graph, budget):
+    scored = _scored_within(graph, budget)
+    hull = _trade_off(scored)
+    for cap, time_s in hull:
+        sim = simulate(graph, _capped(graph, budget, cap))
+        assert sim.peak_bytes <= budget and sim.recompute_flops <= cap
+        assert sim.recompute_time_s == pytest.approx(time_s, rel=1e-9), (cap, hull)
+    return hull
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 5))
+def test_flops_cap_gives_the_fastest_schedule_on_the_trade_off_within_it(seed, n):
+    graph = _chain_with_unrelated_times(seed, n)
+    eager = simulate(graph, Schedule()).peak_bytes
+    least_peak = min(simulate(graph, Schedule(tuple(f))).peak_bytes for f in families(0, n))
+    _assert_cap_reaches_the_trade_off(graph, (least_peak + eager) // 2)
+
+
+def test_flops_cap_reaches_a_trade_off_between_the_fastest_and_the_fewest_flops():
+    # Chain 130 of 5 nodes at 165 B trades (FLOPs, seconds) (68, 1.06), (87, 0.56), (184, 0.28):
+    # a cap of 87 FLOPs needs the weight's bisection to reach the middle one.
+    hull = _assert_cap_reaches_the_trade_off(_chain_with_unrelated_times(130, 5), 165)
+    assert [f for f, _ in hull] == [68, 87, 184]
+
+
+def test_flops_cap_reaches_the_fastest_schedule_when_it_fits_and_refuses_too_tight_a_cap():
+    graph = _chain_with_unrelated_times(6, 5)
+    fastest = simulate(graph, solve(graph, 159, "dp", "time", max_span=None, grid=1000))
+    assert fastest.recompute_flops == 87
+    loose = simulate(graph, _capped(graph, 159, 87))
+    assert loose.recompute_time_s == pytest.approx(fastest.recompute_time_s)
+    least = simulate(graph, _capped(graph, 159, 79))
+    assert least.recompute_flops == 79
+    with pytest.raises(RecomputeCapError, match="the least any recomputes is"):
+        _capped(graph, 159, 78)
+    with pytest.raises(ValueError, match="max_recompute_flops_fraction must be"):
+        solve(graph, 159, "dp", max_recompute_flops_fraction=-0.1)
