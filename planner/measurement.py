@@ -154,10 +154,11 @@ def measured_step_time(
 
     A warm-up of each, then rounds of one step of each in turn (enough to fill a tenth of a
     second, 3 to 9) and the median of each: the prices rest on the differences between the
-    three, and interleaving makes a drifting machine load hit them alike (measured one after
-    another, the selective policy's fitted cost per call varied fourfold between two plans of
-    one model). None when the unplanned step does not fit in the device's memory (the reason
-    to plan)."""
+    three, and interleaving makes a load that drifts over the rounds hit them alike. Single
+    steps still vary by a few percent on a shared CPU (GPT-ref: 2.27 to 3.05 s for the same
+    plain step), so what is fitted from small differences, the selective policy's cost per
+    call above all, is approximate. None when the unplanned step does not fit in the device's
+    memory (the reason to plan)."""
     device = _device_of(module_or_model, example_input)
     steps = {
         "plain": module_or_model,
