@@ -463,11 +463,15 @@ def interleaved_step_times(
     modules: dict[str, nn.Module], example_input: Any, rounds: int
 ) -> dict[str, float]:
     """Median step time of each module, one step of each in turn per round, after one warmup
-    round: drifting machine load (other jobs on the cores) hits every module alike. (No
-    gc.collect() between steps: it evicts the caches, which a training loop never does.)"""
+    round: drifting machine load (other jobs on the cores) hits every module alike. Each round
+    starts one module later, so no module always follows the same one (a step runs slower after
+    some steps than after others: the allocator's and the caches' state). (No gc.collect()
+    between steps: it evicts the caches, which a training loop never does.)"""
     times: dict[str, list[float]] = {name: [] for name in modules}
+    names = list(modules)
     for r in range(rounds + 1):
-        for name, module in modules.items():
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            module = modules[name]
             for p in module.parameters():
                 p.grad = None
             start_s = time.perf_counter()
