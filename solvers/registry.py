@@ -165,6 +165,7 @@ def solve(
     RecomputeCapError when none within the budget does."""
     solve_fn = get_solver(solver)
     if max_recompute_flops_fraction is not None:
+        graph_for_objective(graph, objective)  # an unknown objective fails here too
         if not 0 <= max_recompute_flops_fraction < float("inf"):
             raise ValueError(
                 f"max_recompute_flops_fraction must be a fraction >= 0 of the step's FLOPs "
@@ -203,29 +204,26 @@ def _within_flops_cap(
     convex hull of time against FLOPs), and within the weight's last step between them.
     """
 
-    def attempt(flops_weight: float | None) -> tuple[Schedule, float, int]:
-        seen = (
-            graph_for_objective(graph, "flops")
-            if flops_weight is None
-            else weighted_graph(graph, flops_weight)
-        )
+    def attempt(seen: CostGraph) -> tuple[Schedule, float, int]:
+        """``solve_fn``'s schedule for the graph it sees, priced on ``graph``."""
         schedule = solve_fn(seen, budget_bytes, **opts)
         sim = simulate(graph, schedule)
         return schedule, sim.step_time_s, sim.recompute_flops
 
-    least = attempt(None)
-    cap_text = f"{cap_flops / max(graph.step_flops, 1):.2%} of the step's FLOPs"
+    least = attempt(graph_for_objective(graph, "flops"))
+    step_flops = max(graph.step_flops, 1)
+    cap_text = f"{cap_flops / step_flops:.2%} of the step's FLOPs"
     if least[2] > cap_flops:
         raise RecomputeCapError(
             f"no schedule within the budget recomputes at most {cap_text}: the least any "
-            f"recomputes is {least[2] / max(graph.step_flops, 1):.2%} (objective='flops'). "
-            f"Raise max_recompute_flops_fraction to at least "
-            f"{least[2] / max(graph.step_flops, 1):.4g}, or raise mem_budget_gb."
+            f"recomputes is {least[2] / step_flops:.2%} (objective='flops'). Raise "
+            f"max_recompute_flops_fraction to at least {least[2] / step_flops:.4g}, or raise "
+            f"mem_budget_gb."
         )
     if objective == "flops":
         return _noted(least[0], f"minimised recomputed FLOPs, within {cap_text}")
     best = least
-    fastest = attempt(0.0)
+    fastest = attempt(graph)
     solves = 2
     if fastest[2] <= cap_flops:
         best = fastest
@@ -235,7 +233,7 @@ def _within_flops_cap(
         low, high = CAP_WEIGHT_OCTAVES  # high: taken to keep to the cap (least's side)
         for _ in range(CAP_SEARCH_STEPS):
             middle = (low + high) / 2
-            found = attempt(rate * 2.0**middle)
+            found = attempt(weighted_graph(graph, rate * 2.0**middle))
             solves += 1
             if found[2] <= cap_flops:
                 high = middle
