@@ -44,11 +44,11 @@ from planner.passes.step import LossFn
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
 from planner.solvers.costgraph import (
-    OBJECTIVES,
     CostGraph,
     Objective,
     Region,
     Schedule,
+    check_objective,
 )
 from planner.solvers.errors import (
     InvalidBudgetError,
@@ -293,8 +293,7 @@ def plan(
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    check_objective(objective)
     get_solver(solver)  # fail on an unknown solver before the slow part
     if device is not None:
         device = device_profile(device)  # fail on an unknown profile before the slow part

@@ -262,13 +262,18 @@ class Schedule:
     note: str = ""
 
 
+def check_objective(objective: str) -> None:
+    """ValueError naming the objectives for one that is not among them."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
 def graph_for_objective(graph: CostGraph, objective: Objective) -> CostGraph:
     """The graph a solver sees so that minimising its recomputation time minimises
     ``objective``: ``graph`` itself for ``"time"``; for ``"flops"``, the recomputed FLOPs with
     the predicted time at FLOPS_OBJECTIVE_TIME_WEIGHT (:func:`weighted_graph`). Memory is
     unchanged, so plans fit the same budgets; predict a plan's time on ``graph``, not on this."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    check_objective(objective)
     if objective == "time":
         return graph
     return weighted_graph(graph, flops_weight=1.0, time_weight=FLOPS_OBJECTIVE_TIME_WEIGHT)

@@ -20,6 +20,7 @@ from planner.solvers.costgraph import (
     CostGraph,
     Objective,
     Schedule,
+    check_objective,
     graph_for_objective,
     weighted_graph,
 )
@@ -165,7 +166,7 @@ def solve(
     RecomputeCapError when none within the budget does."""
     solve_fn = get_solver(solver)
     if max_recompute_flops_fraction is not None:
-        graph_for_objective(graph, objective)  # an unknown objective fails here too
+        check_objective(objective)
         if not 0 <= max_recompute_flops_fraction < float("inf"):
             raise ValueError(
                 f"max_recompute_flops_fraction must be a fraction >= 0 of the step's FLOPs "
