@@ -479,7 +479,7 @@ def main() -> None:
     model, example = llama_example(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     # What a user runs: the whole pipeline (capture, estimate, default solver, rewrite) at 24 GB.
-    p = planner.plan(model, example, mem_budget_gb=24)
+    p = planner.plan(model, example, mem_budget_gb=24, form="graph")
     plan_s = time.perf_counter() - t0
     graph = p.graph
     print(

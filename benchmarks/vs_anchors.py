@@ -326,7 +326,9 @@ def planner_rows(
             name += f", compiled ({compile_backend})"
         start_s = time.perf_counter()
         try:
-            plan = planner.plan(model, x, mem_budget_gb=anchor.peak_bytes / 1e9, solver=solver)
+            plan = planner.plan(
+                model, x, mem_budget_gb=anchor.peak_bytes / 1e9, solver=solver, form="graph"
+            )
         except planner.PlannerError as e:  # infeasible budget, unsupported model: say so
             note = f"{type(e).__name__}: {e}"
             rows.append(Row(name, 0, 0, 0.0, time.perf_counter() - start_s, "-", note=note))

@@ -1,8 +1,9 @@
 """planner: automatic activation checkpointing for PyTorch training.
 
-p = planner.plan(model, example_input, mem_budget_gb=1.5)
+p = planner.plan(model, example_input, mem_budget_gb=1.5)  # in place by default
 print(p.summary())
-loss = training_loss(p.module(*inputs))  # train p.module in the model's place
+p.apply(model)  # checkpoint the model's own modules; train ``model`` as before
+# form="graph": p.module is a GraphModule with checkpoint regions, trained in the model's place
 
 The names below load on first use, so ``import planner.solvers`` (pure algorithms) never
 imports torch.

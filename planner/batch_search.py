@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from planner.devices import DeviceProfile, device_profile
-from planner.inplace import InplacePlan, build_inplace_plan, check_span_solver, price_inplace
+from planner.devices import DeviceProfile
+from planner.fsdp import FSDPConfig
+from planner.inplace import InplacePlan
 from planner.passes.step import LossFn
-from planner.planning import FORMS, Plan, budget_bytes_from_gb, price
+from planner.planning import Plan, budget_bytes_from_gb
+from planner.priced import check_form_options, price_form
 from planner.report import data_frame, format_bytes, format_ms, plain_text
-from planner.solvers.costgraph import CostGraph, Schedule
-from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.registry import get_solver
+from planner.solvers.costgraph import Objective, Schedule
+from planner.solvers.errors import InfeasibleBudgetError, RecomputeCapError
 from planner.solvers.simulate import simulate
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class BatchRow:
     predicted_peak_bytes: int | None
     predicted_step_time_s: float | None
     samples_per_s: float | None
-    least_bytes: int | None  # for a row that does not fit
+    least_bytes: int | None  # for a row that does not fit (None: over the FLOPs cap)
     # Without checkpointing, whether or not it fits the cap.
     eager_peak_bytes: int
     eager_step_time_s: float
@@ -120,7 +121,12 @@ class BatchFit:
                     f"{r.samples_per_s:,.1f}",
                 ]
             else:
-                planned = [f"no fit: least {format_bytes(r.least_bytes or 0)}", "-", "-", "-", "-"]
+                why = (
+                    "over the FLOPs cap"
+                    if r.least_bytes is None
+                    else f"least {format_bytes(r.least_bytes)}"
+                )
+                planned = [f"no fit: {why}", "-", "-", "-", "-"]
             mark = " *" if r.batch_size == self.best_batch_size else ""
             table.add_row(
                 f"{r.batch_size}{mark}", *planned, *eager, style=None if r.fits else "dim"
@@ -181,28 +187,6 @@ def doubling(start: int = 1, stop: int = MAX_BATCH_SIZE) -> Iterable[int]:
     return itertools.takewhile(lambda b: b <= stop, (start << k for k in itertools.count()))
 
 
-def _priced(
-    model: torch.nn.Module,
-    example_input: Any,
-    cap_bytes: int,
-    solver: str,
-    loss_fn: LossFn | None,
-    profile: DeviceProfile | None,
-    form: str,
-) -> tuple[CostGraph, Callable[..., Plan | InplacePlan]]:
-    """One batch size priced in ``form``, and how to plan it under the cap."""
-    if form == "inplace":
-        eg = price_inplace(model, example_input, loss_fn, device=profile)
-
-        def solve(**solver_opts: Any) -> InplacePlan:
-            schedule = get_solver(solver)(eg.graph, cap_bytes, **solver_opts)
-            return build_inplace_plan(model, eg, schedule, cap_bytes)
-
-        return eg.graph, solve
-    priced = price(model, example_input, loss_fn=loss_fn, device=profile)
-    return priced.graph, lambda **solver_opts: priced.plan(cap_bytes, solver, **solver_opts)
-
-
 def fit_batch(
     model: torch.nn.Module,
     make_input: Callable[[int], Any],
@@ -214,6 +198,9 @@ def fit_batch(
     loss_fn: LossFn | None = None,
     max_batch_size: int = MAX_BATCH_SIZE,
     form: str = "inplace",
+    objective: Objective = "time",
+    max_recompute_flops_fraction: float | None = None,
+    fsdp: FSDPConfig | None = None,
     **solver_opts: Any,
 ) -> BatchFit:
     """Find the micro-batch size with the most predicted samples/s whose step fits the cap.
@@ -224,17 +211,16 @@ def fit_batch(
     step's peak, in decimal GB, as for ``planner.plan``. ``device``: whose time to predict, as
     for ``planner.plan`` (None: the model's own device, its ops timed there). ``form``: the
     plans' form, as for ``planner.plan``: "inplace" (apply the winner to your model with
-    ``fit.plan.apply(model)``) or "graph" (train ``fit.plan.module``).
+    ``fit.plan.apply(model)``) or "graph" (train ``fit.plan.module``). ``objective``,
+    ``max_recompute_flops_fraction``, ``fsdp`` (in place only; ``make_input`` then returns one
+    rank's micro-batch) and ``solver_opts``: as for ``planner.plan``, for every batch size.
 
     Raises ``InfeasibleBudgetError`` when no batch size tried fits, with the least budget of
     the smallest one.
     """
     cap_bytes = budget_bytes_from_gb(mem_budget_gb)
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    # fail on an unknown solver before the slow part
-    check_span_solver(solver) if form == "inplace" else get_solver(solver)
-    profile = None if device is None else device_profile(device)
+    # fail on an unknown solver or option before the slow part
+    profile = check_form_options(form, [solver], objective=objective, device=device, fsdp=fsdp)
     sweep = batch_sizes is None
     sizes = list(doubling(1, max_batch_size)) if sweep else sorted(set(batch_sizes or ()))
     if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
@@ -244,9 +230,11 @@ def fit_batch(
     rows: list[BatchRow] = []
     plans: dict[int, Plan | InplacePlan] = {}
     best: tuple[float, int] | None = None
+    cap_errors: list[RecomputeCapError] = []
     device_name = ""
     for b in sizes:
-        graph, solve = _priced(model, make_input(b), cap_bytes, solver, loss_fn, profile, form)
+        priced = price_form(model, make_input(b), form, loss_fn=loss_fn, device=profile, fsdp=fsdp)
+        graph = priced.graph
         device_name = graph.meta.get("device", "") + (
             " (ops timed)" if graph.meta["timing"].startswith("ops timed") else " (roofline)"
         )
@@ -257,9 +245,21 @@ def fit_batch(
             eager_samples_per_s=b / eager_s,
         )
         try:
-            p = solve(**solver_opts)
+            p = priced.plan(
+                cap_bytes,
+                solver,
+                objective=objective,
+                max_recompute_flops_fraction=max_recompute_flops_fraction,
+                **solver_opts,
+            )
         except InfeasibleBudgetError as e:
             rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
+            if sweep:
+                break  # a larger batch needs more still
+            continue
+        except RecomputeCapError as e:  # fits the cap only by recomputing more than allowed
+            cap_errors.append(e)
+            rows.append(BatchRow(b, False, None, None, None, None, None, None, **eager))
             if sweep:
                 break  # a larger batch needs more still
             continue
@@ -280,6 +280,8 @@ def fit_batch(
         plans[b] = p
         if best is None or samples_per_s > best[0]:
             best = (samples_per_s, b)
+    if best is None and cap_errors and rows[0].least_bytes is None:
+        raise cap_errors[0]
     if best is None:
         first, least = rows[0].batch_size, rows[0].least_bytes or 0
         raise InfeasibleBudgetError(

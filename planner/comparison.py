@@ -15,11 +15,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from planner.devices import DeviceProfile
+from planner.fsdp import FSDPConfig
+from planner.inplace import SPAN_SOLVERS, InplacePlan, remove
+from planner.measurement import Measurement
 from planner.measurement import measure as measure_step
 from planner.passes.step import LossFn
-from planner.planning import GB, Plan, price
+from planner.planning import GB, Plan
 from planner.plots import plot_pareto
+from planner.priced import check_form_options, price_form
 from planner.report import data_frame, format_bytes, format_ms, plain_text
+from planner.solvers.costgraph import Objective
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
 from planner.solvers.registry import SOLVERS, get_solver
 
@@ -62,10 +68,13 @@ class Comparison:
     eager_step_time_s: float | None
     step_flops: int
     estimate_time_s: float
-    # (solver, budget_bytes) -> Plan for each feasible row, to inspect or train one of them.
-    plans: Mapping[tuple[str, int], Plan] = field(default_factory=dict, repr=False, compare=False)
+    # (solver, budget_bytes) -> plan for each feasible row, to inspect or train one of them.
+    plans: Mapping[tuple[str, int], Plan | InplacePlan] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    form: str = "graph"  # of the plans: "inplace" (p.apply(model)) or "graph" (p.module)
 
-    def plan(self, solver: str, budget_gb: float) -> Plan:
+    def plan(self, solver: str, budget_gb: float) -> Plan | InplacePlan:
         """The plan a feasible row made (budget in decimal GB, as given to ``compare``)."""
         key = (solver, _gb_to_bytes(budget_gb))
         if key not in self.plans:
@@ -151,7 +160,8 @@ class Comparison:
         from rich.table import Table
 
         rows, header, body = self._cells()
-        table = Table(title="planner.compare", caption=self._caption(), title_justify="left")
+        title = f"planner.compare ({'in place' if self.form == 'inplace' else 'graph form'})"
+        table = Table(title=title, caption=self._caption(), title_justify="left")
         for column in header:
             left = column in ("solver", "feasible")
             table.add_column(column, justify="left" if left else "right")
@@ -208,25 +218,42 @@ def compare(
     solvers: Sequence[str] | None = None,
     measure: bool = False,
     *,
+    form: str = "inplace",
     loss_fn: LossFn | None = None,
     budget_fractions: Sequence[float] | None = None,
+    objective: Objective = "time",
+    max_recompute_flops_fraction: float | None = None,
+    device: str | DeviceProfile | None = None,
+    fsdp: FSDPConfig | None = None,
     solver_opts: Mapping[str, Mapping[str, Any]] | None = None,
     repeats: int = 3,
     progress: bool = False,
 ) -> Comparison:
-    """Run every solver at every budget on one capture of ``model``; one row each.
+    """Run every solver at every budget on one pricing of ``model``; one row each.
 
-    ``budgets_gb``: decimal GB (10^9 bytes), as ``plan``'s ``mem_budget_gb``. Without it, the
-    budgets are ``budget_fractions`` of the predicted eager peak (default 0.8, 0.6, 0.4, 0.2).
-    ``solvers``: registered solver names (default: all but 'auto'). ``measure``: also
-    run each plan's real training step (``planner.measure``, ``repeats`` timed steps) for the
-    measured peak and the step-time ratio against the unmodified model.
-    ``solver_opts``: extra keyword options per solver name, e.g. ``{"ilp": {"time_limit_s": 5}}``.
+    ``form``: the plans' form, as for ``planner.plan``: "inplace" (the default; only the
+    solvers whose regions are module calls, ``none``, ``dp``, ``ilp`` and ``auto``, apply) or
+    "graph" (every solver). ``budgets_gb``: decimal GB (10^9 bytes), as ``plan``'s
+    ``mem_budget_gb``. Without it, the budgets are ``budget_fractions`` of the predicted eager
+    peak (default 0.8, 0.6, 0.4, 0.2). ``solvers``: registered solver names (default: all but
+    'auto' that apply to ``form``). ``measure``: also run each plan's real training step
+    (``planner.measure``, ``repeats`` timed steps) for the measured peak and the step-time ratio
+    against the unmodified model; an in-place plan is applied to ``model`` for its measurement
+    and removed again (``planner.remove``).
+    ``objective``, ``max_recompute_flops_fraction``, ``device``, ``fsdp`` (in place only): as for
+    ``planner.plan``, the same for every row (a solver that cannot keep to the FLOPs cap gets a
+    row saying so). ``solver_opts``: extra keyword options per solver name, e.g.
+    ``{"ilp": {"time_limit_s": 5}}``.
     ``progress``: show a progress bar (only once a step takes more than half a second).
     """
-    names = list(solvers) if solvers is not None else solver_names()
-    for name in names:
-        get_solver(name)  # unknown names fail before the work
+    if solvers is not None:
+        names = list(solvers)
+    elif form == "inplace":
+        names = [n for n in solver_names() if n in SPAN_SOLVERS]
+    else:
+        names = solver_names()
+    # unknown names, options and solvers that do not suit the form fail before the work
+    profile = check_form_options(form, names, objective=objective, device=device, fsdp=fsdp)
     if budgets_gb is not None:
         budgets_bytes = [_gb_to_bytes(gb) for gb in budgets_gb]
         if not budgets_bytes or min(budgets_bytes) <= 0:
@@ -237,6 +264,12 @@ def compare(
     if not all(f > 0 for f in fractions):
         raise ValueError(f"budget_fractions must be positive, got {budget_fractions!r}")
     opts = solver_opts or {}
+    unknown = sorted(set(opts) - set(names))
+    if unknown:
+        raise ValueError(
+            f"solver_opts names solvers not compared: {', '.join(unknown)}; it maps a solver "
+            f"name to its options, e.g. {{'ilp': {{'time_limit_s': 5}}}}"
+        )
 
     n_budgets = len(budgets_gb) if budgets_gb is not None else len(fractions)
     bar = tqdm(
@@ -254,7 +287,15 @@ def compare(
 
     try:
         t0 = time.perf_counter()
-        priced = price(model, example_input, loss_fn=loss_fn, on_step=on_step)
+        priced = price_form(
+            model,
+            example_input,
+            form,
+            loss_fn=loss_fn,
+            device=profile,
+            fsdp=fsdp,
+            on_step=on_step,
+        )
         bar.update()
         estimate_time_s = time.perf_counter() - t0
         eager_predicted = priced.eager_peak_bytes
@@ -268,13 +309,19 @@ def compare(
         step_flops = max(priced.graph.step_flops, 1)
 
         rows: list[Row] = []
-        plans: dict[tuple[str, int], Plan] = {}
+        plans: dict[tuple[str, int], Plan | InplacePlan] = {}
         for budget_bytes in budgets_bytes:
             for name in names:
                 bar.set_description(f"{name} @ {_mib(budget_bytes)}")
                 t0 = time.perf_counter()
                 try:
-                    schedule = priced.solve(budget_bytes, name, **opts.get(name, {}))
+                    schedule = priced.solve(
+                        budget_bytes,
+                        name,
+                        objective=objective,
+                        max_recompute_flops_fraction=max_recompute_flops_fraction,
+                        **opts.get(name, {}),
+                    )
                 except InfeasibleBudgetError as e:
                     rows.append(
                         _infeasible(name, budget_bytes, time.perf_counter() - t0, least=e.min_bytes)
@@ -295,7 +342,7 @@ def compare(
                 p = priced.build(schedule, budget_bytes, solve_time_s=time.perf_counter() - t0)
                 measured = None
                 if eager is not None:
-                    measured = measure_step(p.module, example_input, loss_fn, repeats=repeats)
+                    measured = measure_plan(p, model, example_input, loss_fn, repeats)
                 rows.append(
                     Row(
                         solver=name,
@@ -312,7 +359,7 @@ def compare(
                         note="" if name == p.solver else f"chose {p.solver}",
                         predicted_step_time_s=p.predicted_step_time_s,
                         measured_step_time_s=None if measured is None else measured.step_time_s,
-                        offload_bytes=p.simulation.offload_bytes,
+                        offload_bytes=0 if p.simulation is None else p.simulation.offload_bytes,
                     )
                 )
                 plans[(name, budget_bytes)] = p
@@ -327,7 +374,26 @@ def compare(
         step_flops=priced.graph.step_flops,
         estimate_time_s=estimate_time_s,
         plans=plans,
+        form=form,
     )
+
+
+def measure_plan(
+    p: Plan | InplacePlan,
+    model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None = None,
+    repeats: int = 3,
+) -> Measurement:
+    """One real step of ``p`` (``planner.measure``): ``p.module`` for a graph plan; for an
+    in-place plan, ``model`` with the plan applied, then removed again (``planner.remove``)."""
+    if p.form == "graph":
+        return measure_step(p.module, example_input, loss_fn, repeats=repeats)
+    p.apply(model)
+    try:
+        return measure_step(model, example_input, loss_fn, repeats=repeats)
+    finally:
+        remove(model)
 
 
 def _infeasible(

@@ -102,7 +102,8 @@ class Plan:
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         raise PlannerError(
             "a graph plan is carried out by p.module (a GraphModule), not on the model's own "
-            "modules; plan with planner.plan(..., form='inplace') to apply a plan in place"
+            "modules; plan without form='graph' (form='inplace' is the default) to apply a plan "
+            "in place"
         )
 
     @property
@@ -261,7 +262,7 @@ def plan(
     solver: str = "auto",
     *,
     loss_fn: LossFn | None = None,
-    form: str = "graph",
+    form: str = "inplace",
     device: str | DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
     objective: Objective = "time",
@@ -270,16 +271,18 @@ def plan(
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
 
-    ``form="graph"``: a Plan whose ``module`` (a GraphModule) carries it out.
-    ``form="inplace"``: an InplacePlan priced on what eager runs; ``p.apply(model)`` wraps the
-    model's own modules (planner/inplace.py).
+    ``form="inplace"`` (the default): an InplacePlan priced on what eager runs;
+    ``p.apply(model)`` wraps the model's own modules (planner/inplace.py) and the model trains
+    as before, at any shape up to the planned one.
+    ``form="graph"``: a Plan whose ``module`` (a GraphModule, fixed to the captured shapes;
+    readable with ``print(p.module.code)``, exportable) carries it out.
 
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
     (parameters and optimizer state), in decimal GB. Raises ``InfeasibleBudgetError`` (with the
     least feasible budget) when no schedule fits. ``device``: whose step time to predict and
     minimise (see :func:`price`), e.g. ``"h100"`` for a model built on the meta device.
-    ``fsdp``: an ``FSDPConfig`` (``form="inplace"`` only): plan one rank of FSDP2 sharding, its
+    ``fsdp``: an ``FSDPConfig`` (the in-place form only): plan one rank of FSDP2 sharding, its
     example input that rank's micro-batch and the budget that rank's peak (``planner/fsdp.py``);
     shard with ``planner.fsdp.shard(model, config)`` after ``p.apply(model)``.
     ``objective``: what the solver minimises within the budget, the predicted step time

@@ -133,15 +133,49 @@ def region_costs(plan: Plan) -> list[RegionCost]:
     return costs
 
 
-def model_parts(graph: CostGraph, span: Region, limit: int = 3) -> str:
-    """The model's modules a region covers, outermost paths first, e.g. ``blocks.0, blocks.1``."""
+def module_paths(graph: CostGraph, span: Region) -> list[str]:
+    """The model's modules a region covers, outermost paths first, e.g. ``blocks.0``,
+    ``blocks.1`` (a module inside another covered one is not repeated)."""
     parts: list[str] = []
     for i in range(span.start, span.stop):
         path = graph.nodes[i].module_path
         if path and path not in parts and not any(path.startswith(p + ".") for p in parts):
             parts = [p for p in parts if not p.startswith(path + ".")] + [path]
+    return parts
+
+
+def model_parts(graph: CostGraph, span: Region, limit: int = 3, prefix: str = "") -> str:
+    """``limit`` of :func:`module_paths` with ``prefix`` taken off each, e.g. ``blocks.0,
+    blocks.1, +2 more``."""
+    parts = [p.removeprefix(prefix) for p in module_paths(graph, span)]
     shown = ", ".join(parts[:limit])
     return shown + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
+
+
+def common_path_prefix(paths: Sequence[str]) -> str:
+    """The dotted prefix every path in ``paths`` starts with, ending in a dot, e.g.
+    ``"model."`` for ``model.layers.0`` and ``model.layers.1.mlp``; "" when there is none or
+    only one path.
+
+    It never takes a path whole, and stops before a numeric part (``model.layers.`` would
+    leave bare ``0``, ``1.mlp``): what is left still reads as a module path.
+    """
+    split = [p.split(".") for p in dict.fromkeys(paths) if p]
+    if len(split) < 2:
+        return ""
+    common: list[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    common = common[: min(len(s) for s in split) - 1]
+    while common and _numeric_after(common, split):
+        common.pop()
+    return ".".join(common) + "." if common else ""
+
+
+def _numeric_after(common: list[str], split: list[list[str]]) -> bool:
+    return any(len(s) > len(common) and s[len(common)].isdigit() for s in split)
 
 
 def plan_summary(plan: Plan, verbose: bool = False) -> str:
@@ -189,6 +223,17 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             f"{'unknown' if gap is None else f'{gap:.1%}'}; solved in {plan.solve_time_s:.2f} s "
             f"on {len(graph.nodes)} graph nodes"
         )
+    spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
+    # An in-place plan's regions are module paths too: one prefix, said once, for both columns
+    # (long paths in narrow columns were cut to "model.laye…").
+    in_place = getattr(plan, "form", "graph") == "inplace"
+    paths = [p for span in spans for p in module_paths(graph, span)]
+    prefix = common_path_prefix(paths + [r.name for r in plan.regions] if in_place else paths)
+    if prefix:
+        lines.append(
+            f"module paths below are under {prefix.rstrip('.')!r}"
+            f" ({prefix}<path>), written once here"
+        )
     table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
     columns = ["region", "kind", "covers", "frees", "recompute", "recompute time"]
     offloads = any(c.kind == "offload" for c in costs)
@@ -198,14 +243,19 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         columns[2:2] = ["depth", "nodes", "kept nodes"]
     for column in columns:
         numeric = column not in ("region", "kind", "covers")
-        # the names are what a user looks up (p.module.<name>): never cut them
-        table.add_column(column, justify="right" if numeric else "left", no_wrap=column == "region")
-    spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
+        # the names are what a user looks up (p.module.<name>): never cut them; paths wrap
+        # at their commas, and one longer than its column folds rather than being cut
+        table.add_column(
+            column,
+            justify="right" if numeric else "left",
+            no_wrap=column == "region",
+            overflow="fold",
+        )
     for region, span, cost in zip(plan.regions, spans, costs):
         cells = [
-            "  " * region.depth + region.name,
+            "  " * region.depth + (region.name.removeprefix(prefix) if in_place else region.name),
             region.kind,
-            model_parts(graph, span),
+            model_parts(graph, span, prefix=prefix),
             format_bytes(cost.freed_bytes),
             format_flops(cost.recompute_flops, unit),
             format_ms(cost.recompute_time_s),

@@ -26,7 +26,7 @@ from tests.helpers import assert_same_step
 def test_data_dependent_control_flow_names_the_line_and_the_fix():
     model = zoo.DataDependentNet()
     with pytest.raises(planner.CaptureError) as info:
-        planner.plan(model, torch.randn(4, 16), mem_budget_gb=1.0, solver="uniform")
+        planner.plan(model, torch.randn(4, 16), mem_budget_gb=1.0, solver="uniform", form="graph")
     text = str(info.value)
     _, first = inspect.getsourcelines(zoo.DataDependentNet.forward)
     line = first + next(
@@ -43,27 +43,31 @@ def test_data_dependent_control_flow_names_the_line_and_the_fix():
 def test_example_input_of_the_wrong_type_is_refused():
     model, _ = zoo.mha_example()
     with pytest.raises(planner.PlannerError, match="example_input") as info:
-        planner.plan(model, 3, mem_budget_gb=1.0, solver="uniform")
+        planner.plan(model, 3, mem_budget_gb=1.0, solver="uniform", form="graph")
     assert "tensor" in str(info.value) and "int" in str(info.value)
 
 
 def test_example_input_of_strings_is_refused():
     model, _ = zoo.mha_example()
     with pytest.raises(planner.PlannerError, match="example_input") as info:
-        planner.plan(model, ["a", "b"], mem_budget_gb=1.0, solver="uniform")
+        planner.plan(model, ["a", "b"], mem_budget_gb=1.0, solver="uniform", form="graph")
     assert "str" in str(info.value)
 
 
 def test_example_input_of_the_wrong_shape_names_the_shapes():
     model, _ = zoo.mha_example()  # expects (batch, seq, 32)
     with pytest.raises(planner.PlannerError, match="example_input") as info:
-        planner.plan(model, torch.randn(2, 32, 7), mem_budget_gb=1.0, solver="uniform")
+        planner.plan(
+            model, torch.randn(2, 32, 7), mem_budget_gb=1.0, solver="uniform", form="graph"
+        )
     assert "[2, 32, 7]" in str(info.value) or "(2, 32, 7)" in str(info.value)
 
 
 def test_model_without_trainable_parameters_is_refused():
     with pytest.raises(planner.UnsupportedModelError, match="requires_grad") as info:
-        planner.plan(zoo.FrozenNet(), torch.randn(4, 16), mem_budget_gb=1.0, solver="uniform")
+        planner.plan(
+            zoo.FrozenNet(), torch.randn(4, 16), mem_budget_gb=1.0, solver="uniform", form="graph"
+        )
     assert "FrozenNet" in str(info.value)
 
 
@@ -75,7 +79,7 @@ def test_invalid_budget_is_refused_before_any_capture(budget):
     # A model that cannot be captured: the budget must be checked first, so the user sees the
     # budget problem, not a capture problem.
     with pytest.raises(planner.InvalidBudgetError) as info:
-        planner.plan(zoo.DataDependentNet(), torch.randn(4, 16), mem_budget_gb=budget)
+        planner.plan(zoo.DataDependentNet(), torch.randn(4, 16), mem_budget_gb=budget, form="graph")
     text = str(info.value)
     assert repr(budget) in text  # names the value it got
     assert "positive" in text and "mem_budget_gb=" in text  # and what to pass instead
@@ -84,7 +88,7 @@ def test_invalid_budget_is_refused_before_any_capture(budget):
 def test_budget_below_the_least_feasible_states_it_in_bytes_and_mib():
     model, x = zoo.inplace_example()
     with pytest.raises(planner.InfeasibleBudgetError) as info:
-        planner.plan(model, x, mem_budget_gb=1e-9, solver="uniform")  # one byte
+        planner.plan(model, x, mem_budget_gb=1e-9, solver="uniform", form="graph")  # one byte
     e = info.value
     assert e.budget_bytes == 1
     assert 0 < e.min_bytes < planner.measure(model, x).peak_bytes * 2
@@ -96,9 +100,11 @@ def test_budget_below_the_least_feasible_states_it_in_bytes_and_mib():
 def test_the_budget_the_error_suggests_is_accepted():
     model, x = zoo.inplace_example()
     with pytest.raises(planner.InfeasibleBudgetError) as info:
-        planner.plan(model, x, mem_budget_gb=1e-9, solver="uniform")
+        planner.plan(model, x, mem_budget_gb=1e-9, solver="uniform", form="graph")
     suggested = re.search(r"mem_budget_gb to at least ([0-9.e+-]+)", str(info.value)).group(1)
-    p = planner.plan(model, x, mem_budget_gb=float(suggested.rstrip(".")), solver="uniform")
+    p = planner.plan(
+        model, x, mem_budget_gb=float(suggested.rstrip(".")), solver="uniform", form="graph"
+    )
     assert p.predicted_peak_bytes <= p.budget_bytes
 
 
@@ -108,7 +114,7 @@ def test_the_budget_the_error_suggests_is_accepted():
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     model, example_input = zoo.inplace_example()
-    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform")
+    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform", form="graph")
     path = tmp_path_factory.mktemp("plans") / "plan.json"
     p.save(path)
     return model, example_input, path
@@ -198,7 +204,12 @@ def test_ilp_hitting_its_time_limit_falls_back_and_says_so():
     model, x = zoo.mha_example()
     eager_bytes = planner.measure(model, x).peak_bytes
     p = planner.plan(
-        model, x, mem_budget_gb=0.7 * eager_bytes / 1e9, solver="ilp", milp_time_limit_s=1e-3
+        model,
+        x,
+        mem_budget_gb=0.7 * eager_bytes / 1e9,
+        solver="ilp",
+        milp_time_limit_s=1e-3,
+        form="graph",
     )
     assert p.predicted_peak_bytes <= p.budget_bytes
     assert p.solver == "dp"  # the fallback answered, and the plan says which solver did

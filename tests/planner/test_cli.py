@@ -263,7 +263,7 @@ def test_a_frozen_model_exits_2_with_the_apis_error_and_no_traceback(complex_net
     namespace: dict = {}
     exec(COMPLEX_NET, namespace)
     with pytest.raises(planner.UnsupportedModelError) as info:
-        planner.plan(*namespace["frozen"](), mem_budget_gb=1.0, solver="none")
+        planner.plan(*namespace["frozen"](), mem_budget_gb=1.0, solver="none", form="graph")
     assert str(info.value) in err
 
 
@@ -282,7 +282,9 @@ def test_a_model_that_needs_a_loss_says_so_and_plans_with_loss(complex_net, caps
     namespace: dict = {}
     exec(COMPLEX_NET, namespace)
     model, x = namespace["build"]()
-    p = planner.plan(model, x, mem_budget_gb=1.0, solver="uniform", loss_fn=namespace["loss"])
+    p = planner.plan(
+        model, x, mem_budget_gb=1.0, solver="uniform", loss_fn=namespace["loss"], form="graph"
+    )
     assert body["predictions"]["peak_bytes"] == p.predicted_peak_bytes
     assert [r["nodes"] for r in body["regions"]] == [list(r.nodes) for r in p.regions]
     assert f"predicted peak {format_bytes(p.predicted_peak_bytes)}" in printed

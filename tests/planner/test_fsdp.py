@@ -120,7 +120,7 @@ def test_bad_config():
     with pytest.raises(UnsupportedModelError, match="does not have"):
         planner.plan(model, x, 1.0, form="inplace", fsdp=FSDPConfig(2, units=("nope",)))
     with pytest.raises(ValueError, match="form='inplace'"):
-        planner.plan(model, x, 1.0, fsdp=FSDPConfig(2))
+        planner.plan(model, x, 1.0, fsdp=FSDPConfig(2), form="graph")
 
 
 def test_backward_change_precedes_recomputation():

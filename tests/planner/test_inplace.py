@@ -212,7 +212,7 @@ def test_plan_files_that_do_not_fit_are_refused(planned, tmp_path):
     with pytest.raises(PlanFileError, match="in-place plan"):
         planner.apply_plan(model, path, example)
     graph_path = tmp_path / "graph.json"
-    planner.plan(model, example, 1.0).save(graph_path)
+    planner.plan(model, example, 1.0, form="graph").save(graph_path)
     with pytest.raises(PlanFileError, match="example input"):
         planner.apply_plan(model, graph_path)
 
@@ -221,7 +221,7 @@ def test_the_two_forms_say_how_to_use_the_other(planned):
     model, _, example, p, _ = planned
     with pytest.raises(PlannerError, match="p.apply"):
         _ = p.module
-    graph_plan = planner.plan(model, example, 1.0)
+    graph_plan = planner.plan(model, example, 1.0, form="graph")
     assert graph_plan.form == "graph"
     with pytest.raises(PlannerError, match="form='inplace'"):
         graph_plan.apply(model)

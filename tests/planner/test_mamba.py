@@ -24,7 +24,7 @@ def test_auto_plans_mamba_within_its_time_limit_and_the_budget():
     eager_bytes = planner.measure(model, example).peak_bytes
     budget_bytes = int(0.75 * eager_bytes)
     start = time.perf_counter()
-    p = planner.plan(model, example, budget_bytes / 1e9, time_limit_s=TIME_LIMIT_S)
+    p = planner.plan(model, example, budget_bytes / 1e9, time_limit_s=TIME_LIMIT_S, form="graph")
     solve_s = p.solve_time_s
     assert len(p.graph.nodes) > 400  # the scan is unrolled: a long graph, not a toy
     assert p.regions and p.predicted_peak_bytes <= budget_bytes

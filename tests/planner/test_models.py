@@ -49,13 +49,15 @@ class Case:
 def plan_half(model: torch.nn.Module, example_input: Any, eager_bytes: int) -> planner.Plan:
     """Plan at half ``eager_bytes``, or at the least feasible budget when half does not fit."""
     try:
-        return planner.plan(model, example_input, eager_bytes / 2 / 1e9, **default_solver())
+        return planner.plan(
+            model, example_input, eager_bytes / 2 / 1e9, **default_solver(), form="graph"
+        )
     except planner.InfeasibleBudgetError as e:
         assert e.min_bytes > eager_bytes / 2
         # +0.5 B: plan() truncates GB * 1e9 to whole bytes, which can drop one byte (tested on
         # its own in test_properties.py); this test is about the models, not that.
         least_gb = (e.min_bytes + 0.5) / 1e9
-        return planner.plan(model, example_input, least_gb, **default_solver())
+        return planner.plan(model, example_input, least_gb, **default_solver(), form="graph")
 
 
 def plan_at_half(name: str, model: torch.nn.Module, example_input: Any) -> Case:
@@ -139,7 +141,7 @@ def test_planned_module_holds_the_models_own_parameters(case):
 def test_gpt2_tied_embedding_survives():
     # uniform, not the default solver, so this checks the tie whatever the solvers' state.
     model, example_input = zoo.gpt2_example()
-    p = planner.plan(model, example_input, 1.0, solver="uniform")
+    p = planner.plan(model, example_input, 1.0, solver="uniform", form="graph")
     assert p.regions
     wte = model.transformer.wte.weight
     assert model.lm_head.weight is wte  # the tie we start from
@@ -199,7 +201,9 @@ def test_unet_batchnorm_statistics_update_once_per_step():
 
 def test_non_tensor_outputs_come_back_unchanged():
     model, x = zoo.tagged_example()
-    p = planner.plan(model, x, planner.measure(model, x).peak_bytes / 1e9, **default_solver())
+    p = planner.plan(
+        model, x, planner.measure(model, x).peak_bytes / 1e9, **default_solver(), form="graph"
+    )
     torch.manual_seed(0)
     logits, three, tag = p.module(x)
     torch.manual_seed(0)
@@ -211,5 +215,5 @@ def test_non_tensor_outputs_come_back_unchanged():
 @pytest.mark.slow
 def test_gpt2_with_the_default_use_cache_is_planned():
     model, example_input = zoo.gpt2_example(use_cache=True)
-    p = planner.plan(model, example_input, 1.0, solver="uniform")
+    p = planner.plan(model, example_input, 1.0, solver="uniform", form="graph")
     assert_same_step(model, p.module, example_input)

@@ -62,8 +62,10 @@ def test_llama_7b_shape_at_32k_offloads_its_attention_on_h100():
 @pytest.mark.parametrize("fraction", [0.4, 0.7])
 def test_gpt_ref_on_the_cpu_profile_is_never_offloaded(fraction):
     model, x = gpt_example(GPTConfig(n_layer=2, d_model=64, n_head=2, seq_len=64, vocab_size=64))
-    eager = planner.plan(model, x, 1e3, solver="none", device="cpu").baseline_peak_bytes
-    p = planner.plan(model, x, fraction * eager / 1e9, device="cpu")
+    eager = planner.plan(
+        model, x, 1e3, solver="none", device="cpu", form="graph"
+    ).baseline_peak_bytes
+    p = planner.plan(model, x, fraction * eager / 1e9, device="cpu", form="graph")
     assert not p.graph.host_link
     assert p.regions and not any(r.kind == "offload" for r in p.regions)
     assert p.simulation.offload_bytes == 0 and "to host" not in p.summary()

@@ -32,7 +32,9 @@ def example(request):
 @pytest.mark.parametrize("solver", solver_names() + ["auto"])
 def test_every_solver_trains_exactly_like_the_model(example, solver):
     model, example_input, eager = example
-    p = planner.plan(model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver=solver)
+    p = planner.plan(
+        model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver=solver, form="graph"
+    )
     assert p.predicted_peak_bytes <= p.budget_bytes
     assert_same_step(model, p.module, example_input)
     model_params = {id(q) for q in model.parameters()}
@@ -41,7 +43,9 @@ def test_every_solver_trains_exactly_like_the_model(example, solver):
 
 def test_checkpointing_every_block_lowers_the_measured_peak(example):
     model, example_input, eager = example
-    p = planner.plan(model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver="uniform")
+    p = planner.plan(
+        model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver="uniform", form="graph"
+    )
     assert p.regions, "uniform must checkpoint something"
     assert all(r.name in p.module.code for r in p.regions)
     measured = planner.measure(p.module, example_input)
@@ -51,18 +55,20 @@ def test_checkpointing_every_block_lowers_the_measured_peak(example):
 
 def test_prediction_tracks_measurement_within_15_percent(example):
     model, example_input, eager = example
-    p = planner.plan(model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver="none")
+    p = planner.plan(
+        model, example_input, mem_budget_gb=eager.peak_bytes / 1e9, solver="none", form="graph"
+    )
     assert p.predicted_peak_bytes == pytest.approx(eager.peak_bytes, rel=0.15)
 
 
 def test_budget_below_every_schedule_states_the_least_feasible():
     model, example_input = gpt_ref_small_example()
     with pytest.raises(planner.InfeasibleBudgetError) as info:
-        planner.plan(model, example_input, mem_budget_gb=1e-6)
+        planner.plan(model, example_input, mem_budget_gb=1e-6, form="graph")
     assert info.value.min_bytes > 1e-6 * 1e9
     assert "least feasible budget" in str(info.value)
     # The least feasible budget it states is indeed feasible.
-    p = planner.plan(model, example_input, mem_budget_gb=info.value.min_bytes / 1e9)
+    p = planner.plan(model, example_input, mem_budget_gb=info.value.min_bytes / 1e9, form="graph")
     assert p.predicted_peak_bytes <= info.value.min_bytes
 
 
@@ -70,19 +76,19 @@ def test_budget_below_every_schedule_states_the_least_feasible():
 def test_invalid_budgets_are_refused(budget):
     model, example_input = gpt_ref_small_example()
     with pytest.raises(planner.InvalidBudgetError, match="mem_budget_gb"):
-        planner.plan(model, example_input, mem_budget_gb=budget)
+        planner.plan(model, example_input, mem_budget_gb=budget, form="graph")
 
 
 def test_unknown_solver_lists_the_known_ones():
     model, example_input = gpt_ref_small_example()
     with pytest.raises(ValueError, match="uniform"):
-        planner.plan(model, example_input, mem_budget_gb=1.0, solver="magic")
+        planner.plan(model, example_input, mem_budget_gb=1.0, solver="magic", form="graph")
 
 
 def test_unknown_objective_is_refused_before_planning():
     model, example_input = gpt_ref_small_example()
     with pytest.raises(ValueError, match="objective must be one of"):
-        planner.plan(model, example_input, mem_budget_gb=1.0, objective="memory")
+        planner.plan(model, example_input, mem_budget_gb=1.0, objective="memory", form="graph")
 
 
 @pytest.mark.parametrize("form", ["graph", "inplace"])
@@ -104,7 +110,7 @@ def test_flops_objective_recomputes_no_more_flops_and_says_so(form):
 
 def test_summary_names_regions_and_units():
     model, example_input = gpt_ref_small_example()
-    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform")
+    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform", form="graph")
     text = p.summary()
     assert "MiB" in text and "uniform" in text
     for region in p.regions:
@@ -114,7 +120,7 @@ def test_summary_names_regions_and_units():
 def test_planned_module_runs_like_the_model_under_no_grad():
     # The captured graph is specialised to the mode it was captured in (train: dropout on).
     model, example_input = gpt_ref_small_example()
-    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform")
+    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform", form="graph")
     with torch.no_grad():
         torch.manual_seed(1)
         expected = model(*example_input)
@@ -129,7 +135,7 @@ def test_selective_regions_do_not_keep_the_attention_scores_alive():
         GPTConfig(n_layer=2, d_model=64, n_head=2, seq_len=64, vocab_size=128), batch=4
     )
     eager = planner.measure(model, example_input)
-    p = planner.plan(model, example_input, eager.peak_bytes / 1e9, solver="selective")
+    p = planner.plan(model, example_input, eager.peak_bytes / 1e9, solver="selective", form="graph")
     assert any(r.kind == "selective" and r.saved_nodes for r in p.regions)
     measured = planner.measure(p.module, example_input).peak_bytes
     assert measured <= p.predicted_peak_bytes <= p.budget_bytes

@@ -14,7 +14,7 @@ from tests.helpers import assert_same_step
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     model, example_input = gpt_ref_small_example()
-    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform")
+    p = planner.plan(model, example_input, mem_budget_gb=1.0, solver="uniform", form="graph")
     path = tmp_path_factory.mktemp("plans") / "plan.json"
     p.save(path)
     return model, example_input, p, path

@@ -142,8 +142,12 @@ def test_summary_says_what_each_offload_region_sends_and_why():
     recomputing it."""
     model, x = gpt_ref_small_example()
     fast_link = planner.DeviceProfile("fast-link", 1e12, 1e11, host_bytes_per_s=1e14)
-    eager = planner.plan(model, x, 1e3, solver="none", device=fast_link).baseline_peak_bytes
-    p = planner.plan(model, x, 0.6 * eager / 1e9, solver="dp", device=fast_link, offload=True)
+    eager = planner.plan(
+        model, x, 1e3, solver="none", device=fast_link, form="graph"
+    ).baseline_peak_bytes
+    p = planner.plan(
+        model, x, 0.6 * eager / 1e9, solver="dp", device=fast_link, offload=True, form="graph"
+    )
     costs = assert_adds_up(p)
     offloaded = [c for c in costs if c.kind == "offload"]
     assert offloaded, [r.kind for r in p.regions]

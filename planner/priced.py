@@ -1,0 +1,156 @@
+"""A model priced once in either form, then solved and built as often as asked.
+
+``planner.plan`` prices, solves and builds once. The command line (a budget given as a
+percentage of the priced eager peak), ``planner.compare`` (every solver at every budget) and
+``planner.fit_batch`` (the best plan per batch size) price once and solve many times; they take
+the priced model from :func:`price_form`, which offers the same steps for both forms:
+
+- ``form="inplace"``: :class:`PricedInplace`, the model's eager step (``inplace.price_inplace``),
+  plans carried out by ``p.apply(model)``;
+- ``form="graph"``: ``planning.PricedModel``, the captured graph, plans carried out by
+  ``p.module``.
+
+Both check the same things before the slow part as ``planner.plan`` does, so every entry point
+raises the same errors for the same options.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from planner.devices import DeviceProfile, device_profile
+from planner.fsdp import FSDPConfig
+from planner.inplace import InplacePlan, build_inplace_plan, check_span_solver, price_inplace
+from planner.passes.eager import EagerGraph
+from planner.passes.step import LossFn
+from planner.planning import (
+    FORMS,
+    OnStep,
+    PricedModel,
+    _no_progress,
+    check_trainable,
+    price,
+)
+from planner.solvers.costgraph import CostGraph, Objective, Schedule, check_objective
+from planner.solvers.registry import get_solver, solve
+from planner.solvers.simulate import simulate
+
+
+@dataclass(frozen=True)
+class PricedInplace:
+    """A model's eager step priced once for in-place plans: what every solve of it starts from.
+
+    The same steps as ``planning.PricedModel``: ``solve``, ``build``, ``plan``.
+    """
+
+    model: torch.nn.Module
+    eager: EagerGraph
+
+    form = "inplace"
+
+    @property
+    def graph(self) -> CostGraph:
+        return self.eager.graph
+
+    @cached_property
+    def eager_peak_bytes(self) -> int:
+        """Predicted peak of one step without checkpointing."""
+        return simulate(self.graph, Schedule()).peak_bytes
+
+    def solve(
+        self,
+        budget_bytes: int,
+        solver: str = "auto",
+        *,
+        objective: Objective = "time",
+        max_recompute_flops_fraction: float | None = None,
+        **solver_opts: Any,
+    ) -> Schedule:
+        """The schedule ``solver`` chooses, as ``PricedModel.solve`` (only solvers whose
+        regions are module calls: ``inplace.SPAN_SOLVERS``)."""
+        check_span_solver(solver)
+        return solve(
+            self.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
+        )
+
+    def build(
+        self, schedule: Schedule, budget_bytes: int, *, solve_time_s: float = 0.0
+    ) -> InplacePlan:
+        return build_inplace_plan(
+            self.model, self.eager, schedule, budget_bytes, solve_time_s=solve_time_s
+        )
+
+    def plan(
+        self,
+        budget_bytes: int,
+        solver: str = "auto",
+        *,
+        objective: Objective = "time",
+        max_recompute_flops_fraction: float | None = None,
+        on_step: OnStep = _no_progress,
+        **solver_opts: Any,
+    ) -> InplacePlan:
+        """Solve for ``budget_bytes`` with ``solver`` and build the plan."""
+        on_step("solve")
+        start_s = time.perf_counter()
+        schedule = self.solve(
+            budget_bytes,
+            solver,
+            objective=objective,
+            max_recompute_flops_fraction=max_recompute_flops_fraction,
+            **solver_opts,
+        )
+        solve_time_s = time.perf_counter() - start_s
+        on_step("build")
+        return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
+
+
+def check_form_options(
+    form: str,
+    solvers: tuple[str, ...] | list[str] = ("auto",),
+    *,
+    objective: Objective = "time",
+    device: str | DeviceProfile | None = None,
+    fsdp: FSDPConfig | None = None,
+) -> DeviceProfile | None:
+    """The checks ``planner.plan`` makes before the slow part; returns the device profile."""
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    check_objective(objective)
+    for name in solvers:
+        check_span_solver(name) if form == "inplace" else get_solver(name)
+    profile = None if device is None else device_profile(device)
+    if fsdp is not None and not isinstance(fsdp, FSDPConfig):
+        raise TypeError(f"fsdp must be a planner.FSDPConfig, got {type(fsdp).__name__}")
+    if fsdp is not None and form != "inplace":
+        raise ValueError(
+            "fsdp plans are applied in place before fully_shard (torchtitan's order); plan "
+            "in place (form='inplace', the default) with fsdp=..."
+        )
+    return profile
+
+
+def price_form(
+    model: torch.nn.Module,
+    example_input: Any,
+    form: str = "inplace",
+    *,
+    loss_fn: LossFn | None = None,
+    device: str | DeviceProfile | None = None,
+    fsdp: FSDPConfig | None = None,
+    on_step: OnStep = _no_progress,
+) -> PricedInplace | PricedModel:
+    """Price one training step of ``model`` for plans of ``form`` (see ``planner.plan`` for
+    ``device`` and ``fsdp``, the latter in place only)."""
+    profile = check_form_options(form, device=device, fsdp=fsdp)
+    if form == "graph":
+        return price(model, example_input, loss_fn=loss_fn, device=profile, on_step=on_step)
+    check_trainable(model)
+    on_step("estimate")  # one pass over the eager step: nothing is captured first
+    eager = price_inplace(model, example_input, loss_fn, device=profile, fsdp=fsdp)
+    return PricedInplace(model, eager)
