@@ -1,7 +1,9 @@
 """The command line: ``python -m planner plan|compare|fit-batch|solvers``.
 
 python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
-python -m planner plan mymodels:ResNet --input-shape 32,3,224,224 --budget 2GB
+python -m planner plan mymodels:ResNet --input-shape 32,3,224,224 --budget 2GB --form graph
+python -m planner plan transformers:LlamaForCausalLM --hf-config '{"num_hidden_layers": 2}' \
+    --input-shape 2,128 --budget 50%
 python -m planner compare benchmarks.models:unet_example --budgets 0.5GB,1GB --measure
 python -m planner fit-batch benchmarks.plan_7b:llama_for_batch --budget 80GB --device h100
 
@@ -42,7 +44,14 @@ fits a memory budget, or compare every solver across budgets.
 
 MODEL is MODULE:FACTORY, e.g. benchmarks.models:gpt_ref_small_example or path/to/file.py:build.
 FACTORY is called (with --factory-kwargs) and returns either a model, whose example input is
-then built from --input-shape/--input-dtype, or a (model, example_input) tuple.
+then built from --input-shape/--input-dtype, or a (model, example_input) tuple. A Hugging Face
+model class takes its config from --hf-config (JSON text, a config.json, or a directory holding
+one), e.g. transformers:LlamaForCausalLM --hf-config '{"num_hidden_layers": 2}'; its example
+input is token ids of --input-shape (batch,length) as input_ids and labels.
+
+Plans are made in place by default (--form inplace): the saved plan wraps the model's own
+modules, planner.apply_plan(model, "plan.json"). --form graph makes a torch.fx GraphModule plan
+instead (p.module: readable, exportable; every solver applies).
 
 A budget is the peak memory of one step above what is allocated before it (parameters and
 optimizer state are not counted), written with a unit (2GB, 1.5GiB, 512MiB, 300MB) or as a
@@ -56,15 +65,20 @@ EPILOG = """\
 examples:
   python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
   python -m planner plan mymodels.py:Net --input-shape 32,3,64,64 --budget 1GB --solver dp
+  python -m planner plan transformers:LlamaForCausalLM --input-shape 2,128 --budget 50% \
+      --hf-config '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "vocab_size": 1000, "use_cache": false}'
   python -m planner compare benchmarks.models:gpt_ref_small_example --budgets 60%,30% --measure
+  python -m planner compare benchmarks.models:gpt_ref_small_example --form graph
   python -m planner fit-batch benchmarks.models:gpt_ref_small_for_batch --budget 20MB
   python -m planner solvers
 
-In a training script, re-apply a saved plan without solving again:
-  p = planner.apply_plan(model, "plan.json", example_input); train p.module
+In a training script, apply a saved plan without solving again:
+  planner.apply_plan(model, "plan.json")   # in place (the default form): train model as before
+  p = planner.apply_plan(model, "plan.json", example_input)   # --form graph: train p.module
 
-Exit status: 0 done; 2 for arguments that cannot be read, or a model or budget planner cannot
-plan (the message says why and what to change).
+Exit status: 0 done; 2 for arguments that cannot be read, a model that cannot be built, or a
+model or budget planner cannot plan (one line says why and what to change).
 """
 
 
@@ -128,17 +142,28 @@ def load_callable(spec: str, what: str = "MODEL") -> Any:
         loader_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(loader_spec)  # type: ignore[arg-type]
         sys.path.insert(0, str(path.resolve().parent))
-        loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        try:
+            loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as e:  # the user's file: any error in it is theirs to fix
+            raise UsageError(f"cannot load {module_name}: {_one_line(e)}") from e
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
+            named = e.name is None or module_name == e.name or module_name.startswith(e.name + ".")
+            if not named:  # the module is there, but something it imports is not
+                raise UsageError(
+                    f"importing {module_name!r} needs {e.name!r}, which is not installed "
+                    f"({_one_line(e)})"
+                ) from e
             raise UsageError(
                 f"cannot import {module_name!r} ({e}); run from the directory that holds it, "
                 f"or give a file path like path/to/{module_name.replace('.', '/')}.py:{attr}"
             ) from e
+        except Exception as e:
+            raise UsageError(f"cannot import {module_name!r}: {_one_line(e)}") from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -149,13 +174,107 @@ def load_callable(spec: str, what: str = "MODEL") -> Any:
     return obj
 
 
+def _one_line(error: BaseException) -> str:
+    """``Type: first line of the message``, for a message that stays on one line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def is_hf_class(obj: Any) -> bool:
+    """A Hugging Face model class: built from a config (``config_class`` or ``from_config``)."""
+    return isinstance(obj, type) and (hasattr(obj, "config_class") or hasattr(obj, "from_config"))
+
+
+def read_hf_config(text: str) -> dict[str, Any]:
+    """--hf-config: JSON text, a JSON file, or a directory holding config.json."""
+    source = text.strip()
+    if not source.startswith("{"):
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UsageError(
+                f"--hf-config {text!r} is neither a JSON object nor a config file; give e.g. "
+                f"--hf-config '{{\"num_hidden_layers\": 2}}' or path/to/config.json"
+            )
+        source = path.read_text()
+    try:
+        config = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--hf-config is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise UsageError("--hf-config must be a JSON object of config fields")
+    return config
+
+
+def build_hf_model(cls: Any, spec: str, config_text: str) -> Any:
+    """``cls(cls.config_class(**config))``, or ``cls.from_config`` (the Auto classes, whose
+    config names its ``model_type``)."""
+    fields = read_hf_config(config_text)
+    try:
+        if hasattr(cls, "config_class") and cls.config_class is not None:
+            config = cls.config_class(**fields)
+            return cls(config)
+        from transformers import AutoConfig
+
+        fields = dict(fields)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise UsageError(
+                f'{spec} picks its model class from the config: give its "model_type" in '
+                f'--hf-config, e.g. \'{{"model_type": "llama", "num_hidden_layers": 2}}\''
+            )
+        return cls.from_config(AutoConfig.for_model(model_type, **fields))
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"cannot build {spec} from --hf-config: {_one_line(e)}") from e
+
+
+def make_model(args: argparse.Namespace, *factory_args: Any) -> Any:
+    """What MODEL names, built: a Hugging Face class from --hf-config, else FACTORY called with
+    ``factory_args`` and --factory-kwargs. Its errors become one-line usage errors."""
+    factory = load_callable(args.model)
+    hf_config = getattr(args, "hf_config", None)
+    if hf_config is not None:
+        if not is_hf_class(factory):
+            raise UsageError(
+                f"--hf-config builds a Hugging Face model class (one with config_class or "
+                f"from_config); {args.model} is not one"
+            )
+        return build_hf_model(factory, args.model, hf_config)
+    if is_hf_class(factory) and not factory_args:
+        raise UsageError(
+            f"{args.model} is a Hugging Face model class, built from a config: give it with "
+            f"--hf-config, e.g. --hf-config '{{\"num_hidden_layers\": 2}}' or "
+            f"--hf-config path/to/config.json"
+        )
+    try:
+        return factory(*factory_args, **_factory_kwargs(args))
+    except UsageError:
+        raise
+    except Exception as e:  # the user's factory: say what it raised, in one line
+        call = ", ".join([*map(repr, factory_args), *(f"{k}=..." for k in _factory_kwargs(args))])
+        raise UsageError(f"{args.model}({call}) raised {_one_line(e)}") from e
+
+
 def build_example(args: argparse.Namespace) -> tuple[Any, Any]:
-    """Call the factory; build the example input from the shape flags when it returns a model."""
+    """Build the model; build the example input from the shape flags when it comes alone."""
     import torch
 
-    factory = load_callable(args.model)
-    made = factory(**_factory_kwargs(args))
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+    made = make_model(args)
+    if args.hf_config is not None:
+        if not args.input_shape:
+            raise UsageError(
+                f"{args.model} needs the shape of its token ids: --input-shape BATCH,LENGTH, "
+                f"e.g. --input-shape 2,128"
+            )
+        if len(args.input_shape) > 1:
+            raise UsageError("--hf-config takes one --input-shape, BATCH,LENGTH of the token ids")
+        vocab = getattr(made.config, "vocab_size", None) or args.input_high
+        ids = make_inputs(args.input_shape, args.input_dtype or ["int64"], vocab)
+        model, example_input = made.train(), {"input_ids": ids, "labels": ids}
+    elif isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
         model, example_input = made
         if args.input_shape:
             raise UsageError(f"{args.model} returns its own example input; drop --input-shape")
@@ -172,10 +291,74 @@ def build_example(args: argparse.Namespace) -> tuple[Any, Any]:
             f"{args.model} returned {type(made).__name__}; FACTORY must return an nn.Module or "
             f"a (model, example_input) tuple"
         )
-    device = torch.device(args.device)
-    model = model.to(device)
-    example_input = _to(example_input, device)
+    place = placement(args.device)
+    if place is not None:
+        model = model.to(place)
+        example_input = _to(example_input, place)
     return model, example_input
+
+
+def placement(device: str) -> Any:
+    """--device: a torch device to run the model on (cpu, cuda, cuda:1), or None for a
+    device profile (h100, ...), which predicts for that GPU wherever the model was built."""
+    import torch
+
+    from planner.devices import PROFILES
+
+    if device.strip().lower() in PROFILES:
+        return None
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise UsageError(
+            f"--device {device!r} is neither a torch device (cpu, cuda, cuda:1) nor a device "
+            f"profile ({', '.join(PROFILES)})"
+        ) from None
+
+
+def profile_name(device: str) -> str | None:
+    """The device profile --device names, or None where it names a torch device."""
+    from planner.devices import PROFILES
+
+    key = device.strip().lower()
+    return key if key in PROFILES else None
+
+
+def planning_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options ``planner.plan`` takes that every model command shares."""
+    return dict(
+        objective=args.objective,
+        max_recompute_flops_fraction=(
+            None if args.max_recompute_flops is None else args.max_recompute_flops / 100
+        ),
+    )
+
+
+def solver_options(args: argparse.Namespace, solvers: Sequence[str]) -> dict[str, Any]:
+    """--solver-opts as a dict, checked against each solver's options before any work: the
+    keywords of the one solver (plan, fit-batch), or solver name -> keywords (compare)."""
+    from planner.solvers.registry import get_solver, make_options
+
+    if not args.solver_opts:
+        return {}
+    try:
+        opts = json.loads(args.solver_opts)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--solver-opts is not valid JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise UsageError("--solver-opts must be a JSON object, e.g. '{\"time_limit_s\": 10}'")
+    per_solver = opts if args.command == "compare" else {solvers[0]: opts}
+    for name, kw in per_solver.items():
+        if name not in solvers or not isinstance(kw, dict):
+            raise UsageError(
+                f"compare's --solver-opts maps a compared solver's name to its options, e.g. "
+                f'\'{{"ilp": {{"time_limit_s": 5}}}}\'; got {name!r}'
+            )
+        try:
+            make_options(get_solver(name).options, kw, name)  # type: ignore[attr-defined]
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"--solver-opts for {name}: {e}") from None
+    return opts
 
 
 def make_inputs(shapes: Sequence[str], dtypes: Sequence[str] | None, int_high: int) -> Any:
@@ -225,14 +408,18 @@ def _console() -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from planner.planning import price
-    from planner.solvers.registry import get_solver
+    from planner.priced import check_form_options, price_form
 
     kind, value = parse_budget(args.budget)
-    try:
-        get_solver(args.solver)
-    except ValueError as e:
-        raise UsageError(f"{e}; see python -m planner solvers") from None
+    check_solvers(args.form, [args.solver])
+    if args.show_code and args.form != "graph":
+        raise UsageError(
+            "--show-code prints a graph plan's GraphModule; add --form graph (an in-place "
+            "plan wraps the model's own modules, whose code does not change)"
+        )
+    opts = solver_options(args, [args.solver])
+    profile = profile_name(args.device)
+    check_form_options(args.form, device=profile, objective=args.objective)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)
     with tqdm(total=4, desc="capture", unit="step", delay=0.5, disable=args.quiet) as bar:
@@ -242,28 +429,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 bar.update()
             bar.set_description(step if step != "solve" else f"solve ({args.solver})")
 
-        priced = price(model, example_input, loss_fn=loss_fn, on_step=on_step)
+        priced = price_form(
+            model, example_input, args.form, loss_fn=loss_fn, device=profile, on_step=on_step
+        )
         budget_bytes = (
             round(value * priced.eager_peak_bytes) if kind == "fraction" else round(value)
         )
         p = priced.plan(
-            budget_bytes,
-            args.solver,
-            objective=args.objective,
-            max_recompute_flops_fraction=(
-                None if args.max_recompute_flops is None else args.max_recompute_flops / 100
-            ),
-            on_step=on_step,
+            budget_bytes, args.solver, on_step=on_step, **planning_options(args), **opts
         )
         bar.update()
     out = _console()
     out.print(p.summary(verbose=args.verbose), highlight=False, markup=False)
     out.print(f"solved in {p.solve_time_s:.2f} s", highlight=False)
     if args.measure:
+        from planner.comparison import measure_plan
         from planner.measurement import measure
 
         eager = measure(model, example_input, loss_fn)
-        after = measure(p.module, example_input, loss_fn)
+        after = measure_plan(p, model, example_input, loss_fn)
         out.print(
             f"measured peak: {eager.peak_bytes / MIB:,.1f} MiB eager -> "
             f"{after.peak_bytes / MIB:,.1f} MiB planned; step time {eager.step_time_s:.3f} s -> "
@@ -272,24 +456,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     if args.show_code:
         out.print(p.module.code, highlight=False, markup=False)
-    if args.out:
-        p.save(args.out)
-        out.print(
-            f"wrote {args.out}; in training: p = planner.apply_plan(model, {str(args.out)!r}, "
-            f"example_input) and train p.module",
-            highlight=False,
-            markup=False,
-        )
     if args.timeline:
         from planner.plots import plot_timeline
 
         plot_timeline(p).savefig(args.timeline, dpi=120)
         out.print(f"wrote {args.timeline}", highlight=False)
+    if args.out:
+        p.save(args.out)
+        out.print(
+            f"wrote {args.out}; {how_to_apply(p.form, args.out)}", highlight=False, markup=False
+        )
     return 0
+
+
+def how_to_apply(form: str, path: str) -> str:
+    """The line that tells a user how to use a saved plan of ``form`` in a training script."""
+    if form == "graph":
+        return (
+            f"in the training script: p = planner.apply_plan(model, {path!r}, example_input), "
+            f"then train p.module in the model's place"
+        )
+    return (
+        f"in the training script: planner.apply_plan(model, {path!r}) wraps the model's own "
+        f"modules in place; train model as before"
+    )
+
+
+def check_solvers(form: str, names: Sequence[str]) -> None:
+    """Unknown solvers, and solvers the form cannot carry out, as usage errors."""
+    from planner.comparison import solver_names
+    from planner.inplace import SPAN_SOLVERS
+
+    known = [*solver_names(), "auto"]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UsageError(
+            f"unknown solver{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; known: "
+            f"{', '.join(known)} (python -m planner solvers)"
+        )
+    graph_only = [n for n in names if form == "inplace" and n not in SPAN_SOLVERS]
+    if graph_only:
+        raise UsageError(
+            f"{', '.join(graph_only)} place{'s' * (len(graph_only) == 1)} regions between "
+            f"arbitrary graph nodes, which only a graph plan carries out; add --form graph, or "
+            f"use {', '.join(s for s in SPAN_SOLVERS)} in place"
+        )
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.comparison import compare, solver_names
+    from planner.inplace import SPAN_SOLVERS
+    from planner.priced import check_form_options
 
     budgets_gb = fractions = None
     if args.budgets:
@@ -300,11 +517,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
             budgets_gb = [v / 1e9 for v in values]
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()] if args.solvers else None
     if solvers is not None:
-        unknown = sorted(set(solvers) - set(solver_names()) - {"auto"})
-        if unknown:
-            raise UsageError(
-                f"unknown solver(s) {', '.join(unknown)}; known: {', '.join(solver_names())}"
-            )
+        check_solvers(args.form, solvers)
+    names = solvers or [n for n in solver_names() if args.form == "graph" or n in SPAN_SOLVERS]
+    opts = solver_options(args, names)
+    profile = profile_name(args.device)
+    check_form_options(args.form, device=profile, objective=args.objective)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)
     c = compare(
@@ -313,9 +530,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         budgets_gb=budgets_gb,
         solvers=solvers,
         measure=args.measure,
+        form=args.form,
         loss_fn=loss_fn,
         budget_fractions=fractions,
+        device=profile,
+        solver_opts=opts,
         progress=not args.quiet,
+        **planning_options(args),
     )
     out = _console()
     out.print(c)
@@ -349,13 +570,12 @@ def cmd_fit_batch(args: argparse.Namespace) -> int:
     import torch
 
     from planner.batch_search import fit_batch
-    from planner.devices import PROFILES
 
     kind, value = parse_budget(args.budget)
     if kind == "fraction":
         raise UsageError("fit-batch needs an absolute --budget, e.g. 80GB or 512MiB, not a %")
-    factory = load_callable(args.model)
-    kwargs = _factory_kwargs(args)
+    check_solvers(args.form, [args.solver])
+    opts = solver_options(args, [args.solver])
     sizes = None
     if args.batch_sizes:
         try:
@@ -364,11 +584,12 @@ def cmd_fit_batch(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"cannot read --batch-sizes {args.batch_sizes!r}; e.g. 1,2,4,8"
             ) from None
-    profile = args.device.lower() if args.device.lower() in PROFILES else None
-    place = None if profile else torch.device(args.device)
+    profile = profile_name(args.device)
+    place = placement(args.device)
+    load_callable(args.model)  # a name that cannot be imported fails before anything runs
 
     def call(batch_size: int) -> tuple[torch.nn.Module, Any]:
-        made = factory(batch_size, **kwargs)
+        made = make_model(args, batch_size)
         if not (
             isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)
         ):
@@ -393,6 +614,9 @@ def cmd_fit_batch(args: argparse.Namespace) -> int:
         solver=args.solver,
         device=profile,
         loss_fn=loss_fn,
+        form=args.form,
+        **planning_options(args),
+        **opts,
     )
     out = _console()
     out.print(fit)
@@ -401,7 +625,12 @@ def cmd_fit_batch(args: argparse.Namespace) -> int:
         out.print(f"wrote {args.plot}", highlight=False)
     if args.out:
         fit.plan.save(args.out)
-        out.print(f"wrote the plan for batch {fit.best_batch_size} to {args.out}", highlight=False)
+        out.print(
+            f"wrote the plan for batch {fit.best_batch_size} to {args.out}; "
+            f"{how_to_apply(fit.plan.form, args.out)}",
+            highlight=False,
+            markup=False,
+        )
     return 0
 
 
@@ -418,13 +647,31 @@ def _factory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_solvers(args: argparse.Namespace) -> int:
+    import textwrap
+
     from planner.comparison import solver_names
+    from planner.inplace import SPAN_SOLVERS
     from planner.solvers.registry import SOLVERS
 
+    width = max(shutil.get_terminal_size((100, 24)).columns, 60)
     for name in solver_names() + ["auto"] * ("auto" in SOLVERS):
-        doc = (SOLVERS[name].__doc__ or "").strip().splitlines()
-        print(f"{name:12s} {doc[0] if doc else ''}")
+        forms = "in place or graph" if name in SPAN_SOLVERS else "graph form only"
+        text = f"{solver_description(SOLVERS[name])} [{forms}]"
+        print(textwrap.fill(text, width, initial_indent=f"{name:11s} ", subsequent_indent=" " * 12))
     return 0
+
+
+def solver_description(fn: Any) -> str:
+    """The first paragraph of a solver's docstring (its module's when it has none), whole:
+    a description cut at a line end stops mid-sentence."""
+    import inspect
+    import re
+
+    doc = inspect.getdoc(fn) or inspect.getdoc(sys.modules.get(fn.__module__)) or ""
+    first = " ".join(doc.split("\n\n", 1)[0].split())
+    # a module docstring opens with the solver's own name: "``auto``: run the solvers..."
+    first = re.sub(r"^``\w+``:\s*", "", first)
+    return first.replace("``", "")[:1].upper() + first.replace("``", "")[1:]
 
 
 def _model_arguments(sub: argparse.ArgumentParser, example_flags: bool = True) -> None:
@@ -465,15 +712,64 @@ def _model_arguments(sub: argparse.ArgumentParser, example_flags: bool = True) -
         "the output's .loss, else the sum of its floating outputs)",
     )
     if example_flags:
-        sub.add_argument("--device", default="cpu", help="device to plan on: cpu (default) or cuda")
-    else:
         sub.add_argument(
-            "--device",
-            default="cpu",
-            help="cpu (default) or cuda: run the model there and time its ops; h100, a100-80gb "
-            "or a100-40gb: predict for that GPU by its profile",
+            "--hf-config",
+            metavar="PATH_OR_JSON",
+            help="build MODEL, a Hugging Face model class, from this config: JSON text, a "
+            "config.json, or a directory holding one; the example input is token ids of "
+            "--input-shape BATCH,LENGTH (input_ids and labels)",
         )
+    sub.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda or cuda:N: run the model there and time its ops; h100, "
+        "a100-80gb or a100-40gb: predict for that GPU by its profile",
+    )
     sub.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def _planning_arguments(sub: argparse.ArgumentParser, solvers_flag: str = "--solver") -> None:
+    """What ``planner.plan`` takes besides the model: the same flags on every model command."""
+    group = sub.add_argument_group("planning (as planner.plan's arguments)")
+    group.add_argument(
+        "--form",
+        choices=("inplace", "graph"),
+        default="inplace",
+        help="inplace (default): the plan wraps the model's own modules, "
+        "planner.apply_plan(model, PLAN.json); graph: a GraphModule plan, p.module",
+    )
+    if solvers_flag == "--solver":
+        group.add_argument(
+            "--solver",
+            default="auto",
+            help="which solver chooses the regions (default auto); list them: python -m planner "
+            "solvers",
+        )
+    else:
+        group.add_argument(
+            "--solvers",
+            help="comma-separated solver names (default: all but auto that suit --form)",
+        )
+    group.add_argument(
+        "--objective",
+        choices=("time", "flops"),
+        default="time",
+        help="what to minimise within the budget: predicted step time (default) or recomputed "
+        "FLOPs (the same plan on any machine)",
+    )
+    group.add_argument(
+        "--max-recompute-flops",
+        type=float,
+        metavar="PERCENT",
+        help="recompute at most this percentage of the step's FLOPs (0.5: half a percent), "
+        "the fastest such plan",
+    )
+    group.add_argument(
+        "--solver-opts",
+        metavar="JSON",
+        help="the solver's options as a JSON object, e.g. '{\"time_limit_s\": 10}' (compare: "
+        'solver name -> options, e.g. \'{"ilp": {"time_limit_s": 5}}\')',
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -505,30 +801,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--budget", required=True, help="memory budget of one step: 2GB, 1.5GiB, 512MiB or 50%%"
     )
-    plan.add_argument(
-        "--solver",
-        default="auto",
-        help="which solver chooses the regions (default auto); list them: python -m planner "
-        "solvers",
-    )
-    plan.add_argument(
-        "--objective",
-        choices=("time", "flops"),
-        default="time",
-        help="what to minimise within the budget: predicted step time (default) or recomputed "
-        "FLOPs (the same plan on any machine)",
-    )
-    plan.add_argument(
-        "--max-recompute-flops",
-        type=float,
-        metavar="PERCENT",
-        help="recompute at most this percentage of the step's FLOPs (0.5: half a percent), "
-        "the fastest such plan",
-    )
+    _planning_arguments(plan)
     plan.add_argument("--out", metavar="PLAN.json", help="save the plan here (for apply_plan)")
     plan.add_argument("--measure", action="store_true", help="also run and measure a real step")
     plan.add_argument("--timeline", metavar="PNG", help="save the predicted memory timeline")
-    plan.add_argument("--show-code", action="store_true", help="print the rewritten module's code")
+    plan.add_argument(
+        "--show-code", action="store_true", help="print the rewritten module's code (--form graph)"
+    )
     plan.add_argument(
         "-v", "--verbose", action="store_true", help="also print what the solver reported"
     )
@@ -537,7 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = model_command(
         "compare",
         help="every solver at several budgets, as a table (and a Pareto plot)",
-        description="Run every solver (or --solvers) at every budget on one capture of the "
+        description="Run every solver (or --solvers) at every budget on one pricing of the "
         "model and print a table: predicted (and with --measure, measured) peak, recompute "
         "FLOPs, solve time, and the least feasible budget where a solver cannot fit.",
     )
@@ -545,7 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budgets",
         help="comma-separated budgets, e.g. 0.5GB,1GB or 60%%,30%% (default 80%%,60%%,40%%,20%%)",
     )
-    cmp.add_argument("--solvers", help="comma-separated solver names (default: all but auto)")
+    _planning_arguments(cmp, "--solvers")
     cmp.add_argument(
         "--measure", action="store_true", help="run each plan for real: measured peak, step time"
     )
@@ -563,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(fit, example_flags=False)
     fit.add_argument("--budget", required=True, help="the cap on one step's peak: 80GB, 512MiB")
     fit.add_argument("--batch-sizes", metavar="B,B,...", help="sizes to try (default 1, 2, 4, ...)")
-    fit.add_argument("--solver", default="auto", help="solver per batch size (default auto)")
+    _planning_arguments(fit)
     fit.add_argument("--plot", metavar="PNG", help="save samples/s and peak against batch size")
     fit.add_argument("--out", metavar="PLAN.json", help="save the winner's plan here")
     fit.set_defaults(run=cmd_fit_batch)
@@ -582,6 +861,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except UsageError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except ValueError as e:
+        # The API's check of an argument (an option, a solver's keyword): what and how to fix.
+        print(f"planner: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     except PlannerError as e:
         # Planner errors say what went wrong and how to fix it; a traceback adds nothing.
         print(f"planner: {type(e).__name__}: {e}", file=sys.stderr)

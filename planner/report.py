@@ -230,27 +230,13 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     paths = [p for span in spans for p in module_paths(graph, span)]
     prefix = common_path_prefix(paths + [r.name for r in plan.regions] if in_place else paths)
     if prefix:
-        lines.append(
-            f"module paths below are under {prefix.rstrip('.')!r}"
-            f" ({prefix}<path>), written once here"
-        )
+        lines.append(f"module paths below leave out the prefix they share, {prefix!r}")
     table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
     columns = ["region", "kind", "covers", "frees", "recompute", "recompute time"]
     offloads = any(c.kind == "offload" for c in costs)
     if offloads:
         columns += ["offloaded", "transfer"]
-    if verbose:
-        columns[2:2] = ["depth", "nodes", "kept nodes"]
-    for column in columns:
-        numeric = column not in ("region", "kind", "covers")
-        # the names are what a user looks up (p.module.<name>): never cut them; paths wrap
-        # at their commas, and one longer than its column folds rather than being cut
-        table.add_column(
-            column,
-            justify="right" if numeric else "left",
-            no_wrap=column == "region",
-            overflow="fold",
-        )
+    body = []
     for region, span, cost in zip(plan.regions, spans, costs):
         cells = [
             "  " * region.depth + (region.name.removeprefix(prefix) if in_place else region.name),
@@ -262,22 +248,54 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         ]
         if offloads:
             cells += [format_bytes(cost.offload_bytes), format_ms(cost.transfer_time_s)]
-        if verbose:
-            cells[2:2] = [str(region.depth), str(len(region.nodes)), str(len(region.saved_nodes))]
-        table.add_row(*cells)
+        body.append(cells)
     if plan.regions:
         total = ["total", "", "", format_bytes(freed_bytes)]
         total += [format_flops(sim.recompute_flops, unit), format_ms(sim.recompute_time_s)]
         if offloads:
             total += [format_bytes(sim.offload_bytes), format_ms(sim.offload_time_s)]
-        if verbose:
-            total[2:2] = ["", "", ""]
-        table.add_section()
-        table.add_row(*total)
-    text = "\n".join(lines) + "\n" + plain_text(table, width=140 if verbose else 120)
+        body.append(total)
+    # An in-place region is a module: what it covers is its own path, said once already.
+    if in_place and all(c[2] == c[0].strip() for c in body[: len(plan.regions)]):
+        columns.pop(2)
+        body = [c[:2] + c[3:] for c in body]
+    if verbose:
+        at = columns.index("kind") + 1
+        columns[at:at] = ["depth", "nodes", "kept nodes"]
+        for i, region in enumerate(plan.regions):
+            body[i][at:at] = [
+                str(region.depth),
+                str(len(region.nodes)),
+                str(len(region.saved_nodes)),
+            ]
+        if plan.regions:
+            body[-1][at:at] = ["", "", ""]
+    for column in columns:
+        numeric = column not in ("region", "kind", "covers")
+        # the names are what a user looks up (p.module.<name>): never cut them; paths wrap
+        # at their commas, and one longer than its column folds rather than being cut
+        table.add_column(
+            column,
+            justify="right" if numeric else "left",
+            no_wrap=column == "region",
+            overflow="fold",
+        )
+    for i, cells in enumerate(body):
+        if i == len(plan.regions):
+            table.add_section()
+        table.add_row(*cells)
+    # As wide as the table needs to keep every path on one line, within reason.
+    width = min(max(140 if verbose else 120, natural_width(table)), 200)
+    text = "\n".join(lines) + "\n" + plain_text(table, width=width)
     if not verbose:
         text += "solver details: plan.summary(verbose=True)\n"
     return text
+
+
+def natural_width(renderable: object) -> int:
+    """The width ``renderable`` takes when nothing wraps."""
+    console = Console(width=10_000, force_terminal=False, force_jupyter=False, color_system=None)
+    return console.measure(renderable).maximum  # type: ignore[arg-type]
 
 
 def plain_text(renderable: object, width: int) -> str:
