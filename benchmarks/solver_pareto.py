@@ -111,6 +111,7 @@ def main() -> None:
         budget_fractions=fractions,
         solver_opts={"ilp": {"time_limit_s": 10}},
         repeats=1,
+        form="graph",
     )
     print(result.to_markdown())
 

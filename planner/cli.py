@@ -1,9 +1,9 @@
 """The command line: ``python -m planner plan|compare|fit-batch|solvers``.
 
-python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
+python -m planner plan benchmarks.models:gpt_ref_small_example --budget 80% --out plan.json
 python -m planner plan mymodels:ResNet --input-shape 32,3,224,224 --budget 2GB --form graph
 python -m planner plan transformers:LlamaForCausalLM --hf-config '{"num_hidden_layers": 2}' \
-    --input-shape 2,128 --budget 50%
+    --input-shape 2,128 --budget 60%
 python -m planner compare benchmarks.models:unet_example --budgets 0.5GB,1GB --measure
 python -m planner fit-batch benchmarks.plan_7b:llama_for_batch --budget 80GB --device h100
 
@@ -63,9 +63,9 @@ outputs; --loss MODULE:FUNCTION names a function of the output that returns the 
 
 EPILOG = """\
 examples:
-  python -m planner plan benchmarks.models:gpt_ref_small_example --budget 50% --out plan.json
+  python -m planner plan benchmarks.models:gpt_ref_small_example --budget 80% --out plan.json
   python -m planner plan mymodels.py:Net --input-shape 32,3,64,64 --budget 1GB --solver dp
-  python -m planner plan transformers:LlamaForCausalLM --input-shape 2,128 --budget 50% \
+  python -m planner plan transformers:LlamaForCausalLM --input-shape 2,128 --budget 60% \
       --hf-config '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "vocab_size": 1000, "use_cache": false}'
   python -m planner compare benchmarks.models:gpt_ref_small_example --budgets 60%,30% --measure
@@ -419,6 +419,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     opts = solver_options(args, [args.solver])
     profile = profile_name(args.device)
+    placement(args.device)  # a device that is neither fails before the model is built
     check_form_options(args.form, device=profile, objective=args.objective)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)
@@ -521,6 +522,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     names = solvers or [n for n in solver_names() if args.form == "graph" or n in SPAN_SOLVERS]
     opts = solver_options(args, names)
     profile = profile_name(args.device)
+    placement(args.device)  # a device that is neither fails before the model is built
     check_form_options(args.form, device=profile, objective=args.objective)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import planner
 from benchmarks.models import gpt_ref_small_example
 from planner.cli import UsageError, main, parse_budget, parse_budgets, parse_shape
 from planner.report import format_bytes
+from tests.helpers import assert_same_step_copy
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = "benchmarks.models:gpt_ref_small_example"
@@ -73,7 +76,8 @@ def test_shapes():
 
 def test_plan_subprocess_writes_a_plan_that_applies(tmp_path):
     out = tmp_path / "plan.json"
-    result = run_cli("plan", GPT, "--budget", "95%", "--solver", "uniform", "--out", str(out))
+    argv = ["plan", GPT, "--budget", "95%", "--solver", "uniform", "--out", str(out)]
+    result = run_cli(*argv, "--form", "graph")
     assert result.returncode == 0, result.stderr
     assert "ckpt_blocks_0" in result.stdout and "ckpt_blocks_1" in result.stdout
     assert f"wrote {out}" in result.stdout
@@ -92,7 +96,16 @@ def test_plan_subprocess_writes_a_plan_that_applies(tmp_path):
 def test_compare_subprocess_prints_the_table_and_writes_markdown(tmp_path):
     md = tmp_path / "table.md"
     result = run_cli(
-        "compare", GPT, "--budgets", "1GB,1KB", "--solvers", "none,uniform", "--markdown", str(md)
+        "compare",
+        GPT,
+        "--budgets",
+        "1GB,1KB",
+        "--solvers",
+        "none,uniform",
+        "--markdown",
+        str(md),
+        "--form",
+        "graph",
     )
     assert result.returncode == 0, result.stderr
     lines = md.read_text().strip().splitlines()
@@ -163,6 +176,7 @@ def test_plan_minimises_flops_when_asked(tmp_path, capsys):
         "                               torch.nn.GELU()) for _ in range(4)])\n"
     )
     argv = ["plan", f"{source}:build", "--input-shape", "256,64", "--budget", "80%", "-q", "-v"]
+    argv += ["--form", "graph"]  # a GELU alone can be a region: a 0.5% cap is reachable
     assert main([*argv, "--objective", "flops"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the table wraps the solver's note
     assert "minimised recomputed FLOPs" in out and "0 checkpoint regions" not in out
@@ -194,7 +208,7 @@ def test_a_model_without_example_input_needs_a_shape(capsys):
             ["plan", "benchmarks.models:nope", "--budget", "1GB", "--solver", "none"],
             "no attribute 'nope'",
         ),
-        (["compare", GPT, "--solvers", "none,nope"], "unknown solver(s) nope"),
+        (["compare", GPT, "--solvers", "none,nope"], "unknown solver 'nope'"),
     ],
 )
 def test_usage_errors_exit_2_with_the_fix(argv, message, capsys):
@@ -205,7 +219,7 @@ def test_usage_errors_exit_2_with_the_fix(argv, message, capsys):
 
 
 def test_an_infeasible_budget_exits_2_naming_the_least_feasible_one(capsys):
-    code = main(["plan", GPT, "--budget", "1KiB", "--solver", "uniform", "-q"])
+    code = main(["plan", GPT, "--budget", "1KiB", "--solver", "uniform", "-q", "--form", "graph"])
     assert code == 2
     err = capsys.readouterr().err
     assert "InfeasibleBudgetError" in err and "least feasible budget" in err
@@ -269,6 +283,7 @@ def test_a_frozen_model_exits_2_with_the_apis_error_and_no_traceback(complex_net
 
 def test_a_model_that_needs_a_loss_says_so_and_plans_with_loss(complex_net, capsys, tmp_path):
     argv = ["plan", f"{complex_net}:build", "--budget", "1GB", "--solver", "uniform", "-q"]
+    argv += ["--form", "graph"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "UnsupportedModelError" in err and "--loss MODULE:FUNCTION" in err
@@ -290,6 +305,7 @@ def test_a_model_that_needs_a_loss_says_so_and_plans_with_loss(complex_net, caps
     assert f"predicted peak {format_bytes(p.predicted_peak_bytes)}" in printed
     # compare takes the same flag
     compare_argv = ["compare", f"{complex_net}:build", "--budgets", "1GB", "--solvers", "uniform"]
+    compare_argv += ["--form", "graph"]
     assert main([*compare_argv, "-q"]) == 2
     assert "--loss MODULE:FUNCTION" in capsys.readouterr().err
     assert main([*compare_argv, "-q", "--loss", f"{complex_net}:loss"]) == 0
@@ -327,3 +343,217 @@ def test_fit_batch_refuses_a_percentage_and_a_factory_without_input(tmp_path, ca
     assert "FACTORY takes the batch size and returns a (model, example_input)" in (
         capsys.readouterr().err
     )
+
+
+# --- in place by default, Hugging Face classes, one-line errors, options on every command ------
+
+
+def flat(text: str) -> str:
+    """``text`` with its whitespace (a wrapping console's line breaks) collapsed."""
+    return " ".join(text.split())
+
+
+def wrapped_modules(model) -> list[str]:
+    # an applied in-place plan replaces a region module's forward by an instance attribute
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
+def test_plan_is_in_place_by_default_and_its_file_applies_to_the_model(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", GPT, "--budget", "85%", "--device", "h100", "--out", str(out), "-q"]
+    assert main(argv) == 0
+    printed = flat(capsys.readouterr().out)
+    body = json.loads(out.read_text())
+    assert body["form"] == "inplace"
+    assert (
+        f"wrote {out}; in the training script: planner.apply_plan(model, {str(out)!r}) wraps "
+        f"the model's own modules in place; train model as before" in printed
+    )
+    assert "p.module" not in printed
+    # the plan the API makes with no form= for the same budget and device
+    model, x = gpt_ref_small_example()
+    api = planner.plan(model, x, body["budget_bytes"] / 1e9, device="h100")
+    assert api.form == "inplace" and api.regions
+    assert [r["module"] for r in body["regions"]] == [r.name for r in api.regions]
+    assert body["predictions"]["peak_bytes"] == api.predicted_peak_bytes <= body["budget_bytes"]
+    assert f"predicted peak {format_bytes(api.predicted_peak_bytes)}" in printed
+    # and the file applies in a training script, without an example input
+    reference, _ = gpt_ref_small_example()
+    assert planner.apply_plan(model, out) is model
+    assert wrapped_modules(model) == [r.name for r in api.regions]
+    assert_same_step_copy(reference, model, x)
+
+
+def test_plan_in_place_measures_the_model_with_the_plan_applied_then_removed(capsys):
+    argv = ["plan", GPT, "--budget", "85%", "--device", "h100", "--measure", "-q"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    eager_mib, planned_mib = map(
+        float, re.search(r"measured peak: ([0-9.]+) MiB eager -> ([0-9.]+) MiB", printed).groups()
+    )
+    assert planned_mib < eager_mib
+    model, x = gpt_ref_small_example()
+    assert eager_mib == round(planner.measure(model, x).peak_bytes / 2**20, 1)
+
+
+HF_CONFIG = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "use_cache": False,
+}
+LLAMA = "transformers:LlamaForCausalLM"
+
+
+def test_a_hugging_face_class_plans_from_its_config(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with pytest.raises(SystemExit) as info:
+        main(["plan", LLAMA, "--budget", "1GB", "--input-shape", "2,32"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "is a Hugging Face model class" in err and "--hf-config" in err
+
+    argv = ["plan", LLAMA, "--input-shape", "2,32", "--budget", "80%", "--device", "h100", "-q"]
+    out_json, out_file = tmp_path / "from_json.json", tmp_path / "from_file.json"
+    assert main([*argv, "--hf-config", json.dumps(HF_CONFIG), "--out", str(out_json)]) == 0
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    assert main([*argv, "--hf-config", str(tmp_path), "--out", str(out_file)]) == 0  # directory
+    capsys.readouterr()
+    body = json.loads(out_json.read_text())
+    assert body["model_class"] == "LlamaForCausalLM" and body["regions"]
+    assert body["regions"] == json.loads(out_file.read_text())["regions"]
+    # the same plan as the API's on the same class built from the same config
+    model = LlamaForCausalLM(LlamaConfig(**HF_CONFIG)).train()
+    ids = torch.randint(0, HF_CONFIG["vocab_size"], (2, 32))
+    p = planner.plan(
+        model, {"input_ids": ids, "labels": ids}, body["budget_bytes"] / 1e9, device="h100"
+    )
+    assert body["predictions"]["peak_bytes"] == p.predicted_peak_bytes
+    assert [r["module"] for r in body["regions"]] == [r.name for r in p.regions]
+    assert all(r.name.startswith("model.layers.") for r in p.regions)
+    planner.apply_plan(model, out_json)
+    assert wrapped_modules(model) == [r.name for r in p.regions]
+
+
+BROKEN = {
+    "raises.py": "def build():\n    raise RuntimeError('boom')\n",
+    "syntax.py": "def build(:\n    pass\n",
+    "missing_dep.py": "import no_such_dependency_xyz\ndef build():\n    pass\n",
+}
+
+
+@pytest.mark.parametrize(
+    "model, extra, message",
+    [
+        ("raises.py:build", [], "raises.py:build() raised RuntimeError: boom"),
+        ("syntax.py:build", [], "cannot load"),
+        ("missing_dep.py:build", [], "No module named 'no_such_dependency_xyz'"),
+        ("torch.nn:Linear", [], "torch.nn:Linear() raised TypeError"),
+        ("torch.nn:Linear", ["--hf-config", "{}"], "torch.nn:Linear is not one"),
+        (LLAMA, ["--hf-config", '{"num_hidden_layers": "two"'], "--hf-config is not valid JSON"),
+        (LLAMA, ["--hf-config", "no/such/config.json"], "neither a JSON object nor a config"),
+        (
+            "transformers:AutoModelForCausalLM",
+            ["--hf-config", '{"num_hidden_layers": 2}'],
+            '"model_type"',
+        ),
+        (f"{GPT}", ["--show-code"], "add --form graph"),
+        (f"{GPT}", ["--solver", "greedy"], "greedy places regions between arbitrary graph"),
+        (f"{GPT}", ["--solver-opts", '{"nope": 1}'], "--solver-opts for auto: "),
+        (f"{GPT}", ["--solver-opts", "[1]"], "--solver-opts must be a JSON object"),
+        (f"{GPT}", ["--device", "tpu9"], "--device 'tpu9' is neither a torch device"),
+    ],
+)
+def test_bad_models_and_options_exit_2_with_one_line(model, extra, message, tmp_path, capsys):
+    for name, source in BROKEN.items():
+        (tmp_path / name).write_text(source)
+    spec = str(tmp_path / model) if model.split(":")[0] in BROKEN else model
+    argv = ["plan", spec, "--budget", "1GB", "--input-shape", "2,4", "-q", *extra]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_compare_is_in_place_by_default_and_takes_plans_options(tmp_path, capsys, monkeypatch):
+    from planner.comparison import compare
+
+    md = tmp_path / "table.md"
+    argv = ["compare", GPT, "--budgets", "100%,85%", "--device", "h100", "-q"]
+    argv += ["--objective", "flops", "--markdown", str(md)]
+    assert main([*argv, "--solver-opts", '{"ilp": {"time_limit_s": 20}}']) == 0
+    printed = capsys.readouterr().out
+    assert "planner.compare (in place)" in printed
+    rows = [r.split(" | ") for r in md.read_text().strip().splitlines()[4:]]
+    model, x = gpt_ref_small_example()
+    api = compare(model, x, budget_fractions=[1.0, 0.85], device="h100", objective="flops")
+    assert [r[0].removeprefix("| ") for r in rows] == [r.solver for r in api.ranked()]
+    assert {r.solver for r in api.rows} == {"none", "dp", "ilp"}
+    for cells, r in zip(rows, api.ranked()):
+        assert cells[1] == format_bytes(r.budget_bytes)
+        if r.feasible:
+            assert cells[3] == format_bytes(r.predicted_peak_bytes)
+            assert cells[6] == f"+{r.recompute_flops_pct:.1f}%"
+    # the FLOPs cap reaches compare() as plan's fraction; its errors exit 2 in one line
+    seen: dict = {}
+
+    def refuse(*args, **kwargs):
+        seen.update(kwargs)
+        raise planner.RecomputeCapError("no plan within the budget keeps to the cap")
+
+    monkeypatch.setattr("planner.comparison.compare", refuse)
+    assert main([*argv, "--max-recompute-flops", "0.5", "--form", "graph"]) == 2
+    assert "planner: RecomputeCapError: no plan within" in capsys.readouterr().err
+    assert seen["max_recompute_flops_fraction"] == 0.005 and seen["objective"] == "flops"
+    assert seen["form"] == "graph" and seen["device"] == "h100"
+    monkeypatch.undo()
+    # options for a solver not compared, and a graph-only solver in place, are refused
+    for bad, message in [
+        (["--solver-opts", '{"greedy": {}}'], "maps a compared solver's name"),
+        (["--solvers", "uniform"], "add --form graph"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main([*argv, *bad])
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_fit_batch_takes_the_form_and_plans_options(tmp_path, capsys):
+    out_path = tmp_path / "plan.json"
+    argv = ["fit-batch", "benchmarks.models:gpt_ref_small_for_batch", "--budget", "100GB"]
+    argv += ["--batch-sizes", "1", "--device", "h100", "--form", "graph", "--out", str(out_path)]
+    assert main([*argv, "--objective", "flops", "--solver", "uniform", "-q"]) == 0
+    printed = flat(capsys.readouterr().out)
+    assert "best: batch 1" in printed
+    assert "example_input), then train p.module in the model's place" in printed
+    body = json.loads(out_path.read_text())
+    assert body["solver"] == "uniform" and "module_tree" not in body  # a graph plan file
+    with pytest.raises(SystemExit) as info:
+        main(["fit-batch", "benchmarks.models:gpt_ref_small_for_batch", "--budget", "1GB",
+              "--solver", "uniform"])  # fmt: skip
+    assert info.value.code == 2 and "add --form graph" in capsys.readouterr().err
+
+
+def test_solvers_are_listed_whole_with_the_forms_they_apply_to(capsys):
+    from planner.cli import solver_description
+    from planner.comparison import solver_names
+    from planner.inplace import SPAN_SOLVERS
+    from planner.solvers.registry import SOLVERS
+
+    assert main(["solvers"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    entries = " ".join(lines).split()
+    text = " ".join(entries)
+    for name in [*solver_names(), "auto"]:
+        description = solver_description(SOLVERS[name])
+        assert description.endswith(".") and len(description) > 20, name
+        forms = "in place or graph" if name in SPAN_SOLVERS else "graph form only"
+        assert f"{name} {description} [{forms}]" in text
+    assert sum(1 for line in lines if not line.startswith(" ")) == len(solver_names()) + 1

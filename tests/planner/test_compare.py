@@ -30,7 +30,7 @@ from planner.plots import (
 from planner.report import dropped_bytes
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.simulate import simulate
-from tests.helpers import assert_same_step
+from tests.helpers import assert_same_step, assert_same_step_copy
 from tests.solvers.synthetic import gpt_like_graph
 
 
@@ -270,6 +270,7 @@ def compared():
             budget_fractions=[1.05, 0.9],
             measure=True,
             repeats=1,
+            form="graph",
         )
     return model, example_input, c, calls
 
@@ -343,3 +344,119 @@ def test_compare_refuses_unknown_solvers_and_bad_budgets_before_capturing(monkey
         compare_module.compare(model, example_input, [1.0], solvers=["nope"])
     with pytest.raises(ValueError, match="positive"):
         compare_module.compare(model, example_input, [0.0], solvers=["none"])
+
+
+# --- compare() in place (the default form) and with plan's options ------------------------------
+
+
+def wrapped_modules(model) -> list[str]:
+    # an applied in-place plan replaces a region module's forward by an instance attribute
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
+@pytest.fixture(scope="module")
+def compared_in_place():
+    import planner.comparison as compare_module
+
+    model, example_input = gpt_ref_small_example()
+    c = compare_module.compare(
+        model, example_input, budget_fractions=[1.0, 0.85], measure=True, repeats=1, device="h100"
+    )
+    return model, example_input, c
+
+
+def test_compare_in_place_makes_the_plans_plan_makes(compared_in_place):
+    model, example_input, c = compared_in_place
+    assert c.form == "inplace"
+    # in place only the solvers whose regions are module calls apply
+    assert [(r.solver, r.budget_bytes) for r in c.rows] == [
+        (s, round(f * c.eager_predicted_peak_bytes))
+        for f in (1.0, 0.85)
+        for s in ("none", "dp", "ilp")
+    ]
+    dp = c.rows[4]
+    assert dp.feasible and dp.recompute_flops_pct > 0 and not c.rows[3].feasible  # 'none'
+    p = c.plans[("dp", dp.budget_bytes)]
+    api = planner.plan(model, example_input, dp.budget_bytes / 1e9, solver="dp", device="h100")
+    assert p.form == api.form == "inplace"
+    assert [r.name for r in p.regions] == [r.name for r in api.regions]
+    assert dp.predicted_peak_bytes == p.predicted_peak_bytes == api.predicted_peak_bytes
+    assert dp.predicted_peak_bytes <= dp.budget_bytes
+    assert dp.predicted_step_time_s == api.predicted_step_time_s
+
+
+def test_compare_in_place_measures_the_model_with_each_plan_applied(compared_in_place):
+    model, example_input, c = compared_in_place
+    assert wrapped_modules(model) == []  # every plan was removed after its measurement
+    assert c.eager_measured_peak_bytes == planner.measure(model, example_input).peak_bytes
+    dp = c.rows[4]
+    p = c.plans[("dp", dp.budget_bytes)]
+    p.apply(model)
+    try:
+        again = planner.measure(model, example_input)
+    finally:
+        planner.remove(model)
+    assert dp.measured_peak_bytes == again.peak_bytes < c.eager_measured_peak_bytes
+    assert dp.measured_peak_bytes <= dp.budget_bytes  # the budget is a promise
+    reference, _ = gpt_ref_small_example()
+    p.apply(model)
+    try:
+        assert_same_step_copy(reference, model, example_input)
+    finally:
+        planner.remove(model)
+
+
+def test_compare_in_place_table_and_plot(compared_in_place):
+    _, _, c = compared_in_place
+    text = str(c)
+    assert "planner.compare (in place)" in text and "measured peak" in text
+    assert "| dp | " in c.to_markdown()
+    fig = c.plot()
+    assert isinstance(fig, Figure)
+    labels = {ln.get_label() for ax in fig.axes for ln in ax.get_lines()}
+    assert any("dp" in label for label in labels)
+
+
+def test_compare_takes_every_option_plan_takes():
+    import planner.comparison as compare_module
+
+    model, example_input = gpt_ref_small_example()
+    # at 85% of eager a plan recomputing 0 FLOPs (norms, GELUs) fits; at 80% none does
+    kw = dict(budget_fractions=[0.8], solvers=["dp"], device="h100", objective="flops")
+    flops = compare_module.compare(model, example_input, **kw)
+    row = flops.rows[0]
+    api = planner.plan(
+        model, example_input, row.budget_bytes / 1e9, solver="dp", device="h100", objective="flops"
+    )
+    assert row.recompute_flops_pct == pytest.approx(
+        100 * api.predicted_recompute_flops / api.step_flops
+    )
+    assert "objective='flops'" in flops.plans[("dp", row.budget_bytes)].schedule.note
+    least = api.predicted_recompute_flops / api.step_flops
+    assert least > 0
+    # a FLOPs cap at the least any plan recomputes keeps that plan; below it, the row says why
+    at = compare_module.compare(model, example_input, **kw, max_recompute_flops_fraction=least)
+    assert at.rows[0].feasible and at.rows[0].recompute_flops_pct == row.recompute_flops_pct
+    below = compare_module.compare(
+        model, example_input, **kw, max_recompute_flops_fraction=least / 2
+    )
+    assert not below.rows[0].feasible and "recomputes at most" in below.rows[0].note
+    # the graph form, with the same options
+    graph = compare_module.compare(
+        model, example_input, **(kw | {"solvers": ["dp", "uniform"]}), form="graph"
+    )
+    assert graph.form == "graph" and "planner.compare (graph form)" in str(graph)
+    assert all(p.form == "graph" for p in graph.plans.values())
+    # what plan refuses, compare refuses, before pricing
+    with pytest.raises(planner.UnsupportedModelError, match="form='graph'"):
+        compare_module.compare(model, example_input, [1.0], solvers=["uniform"])
+    with pytest.raises(ValueError, match="in place"):
+        compare_module.compare(
+            model, example_input, [1.0], form="graph", fsdp=planner.FSDPConfig(2)
+        )
+    with pytest.raises(ValueError, match="objective"):
+        compare_module.compare(model, example_input, [1.0], objective="memory")
+    with pytest.raises(ValueError, match="unknown device profile"):
+        compare_module.compare(model, example_input, [1.0], device="tpu9")
+    with pytest.raises(ValueError, match="solvers not compared: greedy"):
+        compare_module.compare(model, example_input, [1.0], solver_opts={"greedy": {}})

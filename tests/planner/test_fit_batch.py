@@ -108,3 +108,55 @@ def test_the_graph_form_sweeps_the_captured_graph():
         planner.fit_batch(model, make_input, 100, solver="greedy", device="cpu")
     with pytest.raises(ValueError, match="form must be one of"):
         planner.fit_batch(model, make_input, 100, device="cpu", form="module")
+
+
+def test_fit_batch_takes_plans_options_in_both_forms():
+    model = gpt_small()
+    eager_2 = planner.plan(model, make_input(2), 100, solver="none", device="h100")
+    cap_gb = 0.8 * eager_2.baseline_peak_bytes / 1e9  # batch 2 must recompute
+    options = dict(device="h100", objective="flops")
+    for form in ("inplace", "graph"):
+        fit = planner.fit_batch(model, make_input, cap_gb, batch_sizes=[2], form=form, **options)
+        api = planner.plan(model, make_input(2), cap_gb, form=form, **options)
+        assert fit.plan.form == api.form == form
+        assert [r.name for r in fit.plan.regions] == [r.name for r in api.regions]
+        assert fit.plan.predicted_recompute_flops == api.predicted_recompute_flops > 0
+        assert fit.plan.predicted_peak_bytes == api.predicted_peak_bytes <= fit.cap_bytes
+        assert "objective='flops'" in fit.plan.schedule.note
+
+
+def test_fit_batch_keeps_to_a_flops_cap():
+    model = gpt_small()
+    eager_2 = planner.plan(model, make_input(2), 100, solver="none", device="h100")
+    cap_gb = 0.8 * eager_2.baseline_peak_bytes / 1e9
+    least = planner.plan(model, make_input(2), cap_gb, device="h100", objective="flops")
+    least_fraction = least.predicted_recompute_flops / least.step_flops
+    assert least_fraction > 0
+    options = dict(device="h100", objective="flops", batch_sizes=[1, 2])
+    # batch 1 fits without recomputing; batch 2 only by recomputing more than the cap allows
+    fit = planner.fit_batch(
+        model, make_input, cap_gb, max_recompute_flops_fraction=least_fraction / 2, **options
+    )
+    one, two = fit.rows
+    assert one.fits and one.regions == 0 and fit.best_batch_size == 1
+    assert not two.fits and two.least_bytes is None and "over the FLOPs cap" in str(fit)
+    # at the cap, batch 2 fits with the least-FLOPs plan
+    fit = planner.fit_batch(
+        model, make_input, cap_gb, max_recompute_flops_fraction=least_fraction, **options
+    )
+    assert fit.rows[1].fits
+    assert fit.plans[2].predicted_recompute_flops == least.predicted_recompute_flops
+    # no batch size within the cap: plan's own error
+    with pytest.raises(planner.RecomputeCapError, match="max_recompute_flops_fraction"):
+        planner.fit_batch(
+            model,
+            make_input,
+            cap_gb,
+            batch_sizes=[2],
+            device="h100",
+            max_recompute_flops_fraction=least_fraction / 2,
+        )
+    with pytest.raises(ValueError, match="in place"):
+        planner.fit_batch(model, make_input, 1, form="graph", fsdp=planner.FSDPConfig(2))
+    with pytest.raises(ValueError, match="objective"):
+        planner.fit_batch(model, make_input, 1, objective="memory")
