@@ -144,10 +144,17 @@ def module_paths(graph: CostGraph, span: Region) -> list[str]:
     return parts
 
 
-def model_parts(graph: CostGraph, span: Region, limit: int = 3, prefix: str = "") -> str:
+def model_parts(
+    graph: CostGraph, span: Region, limit: int = 3, prefix: str = "", root: str | None = None
+) -> str:
     """``limit`` of :func:`module_paths` with ``prefix`` taken off each, e.g. ``blocks.0,
-    blocks.1, +2 more``."""
-    parts = [p.removeprefix(prefix) for p in module_paths(graph, span)]
+    blocks.1, +2 more``. ``root``: the module the region is (in place), which stands for every
+    path inside it."""
+    paths = module_paths(graph, span)
+    if root is not None:
+        inside = [p for p in paths if p == root or p.startswith(root + ".")]
+        paths = [root] * bool(inside) + [p for p in paths if p not in inside]
+    parts = [p.removeprefix(prefix) for p in paths]
     shown = ", ".join(parts[:limit])
     return shown + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
 
@@ -241,7 +248,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         cells = [
             "  " * region.depth + (region.name.removeprefix(prefix) if in_place else region.name),
             region.kind,
-            model_parts(graph, span, prefix=prefix),
+            model_parts(graph, span, prefix=prefix, root=region.name if in_place else None),
             format_bytes(cost.freed_bytes),
             format_flops(cost.recompute_flops, unit),
             format_ms(cost.recompute_time_s),

@@ -11,6 +11,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,7 @@ import planner
 from benchmarks.models import gpt_ref_small_example
 from planner.planning import price
 from planner.plots import node_bytes
-from planner.report import format_bytes, format_flops, format_ms, region_costs
+from planner.report import format_bytes, format_flops, format_ms, module_paths, region_costs
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.cuts import forbidden_cuts
 from planner.solvers.simulate import simulate
@@ -162,3 +163,56 @@ def test_summary_says_what_each_offload_region_sends_and_why():
         why = f"{cost.name} offloaded {format_bytes(cost.offload_bytes)} to host: transfer "
         assert why + f"{format_ms(cost.transfer_time_s)} < recompute" in text
         assert cost.transfer_time_s < cost.recompute_instead_s
+
+
+class LongPaths(torch.nn.Module):
+    """Module paths as long as a Hugging Face model's: what the summary used to cut."""
+
+    def __init__(self, d: int = 32, n_layer: int = 4) -> None:
+        super().__init__()
+
+        def mlp() -> torch.nn.Module:
+            return torch.nn.Sequential(
+                torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)
+            )
+
+        self.encoder_stack = torch.nn.Module()
+        self.encoder_stack.transformer_layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {"attention_projection_block": mlp(), "feed_forward_network_block": mlp()}
+            )
+            for _ in range(n_layer)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.encoder_stack.transformer_layers:
+            x = x + layer["attention_projection_block"](x)
+            x = x + layer["feed_forward_network_block"](x)
+        return x
+
+
+@pytest.mark.parametrize("form", ["inplace", "graph"])
+def test_summary_keeps_module_paths_whole(form):
+    torch.manual_seed(0)
+    model, x = LongPaths(), torch.randn(64, 32)
+    eager = planner.plan(model, x, 1.0, solver="none", device="h100", form=form)
+    p = planner.plan(model, x, 0.6 * eager.baseline_peak_bytes / 1e9, device="h100", form=form)
+    spans = sorted(p.schedule.regions, key=lambda r: (r.start, -r.stop))
+    paths = [path for span in spans for path in module_paths(p.graph, span)]
+    assert len(paths) >= 2 and all(path.startswith("encoder_stack.") for path in paths)
+    for verbose in (False, True):
+        text = p.summary(verbose=verbose)
+        assert "…" not in text
+        # the shared prefix is said once; what follows it stays on one line, whole
+        assert "module paths below leave out the prefix they share, 'encoder_stack.'" in text
+        table = text.split("checkpoint regions", 1)[1]
+        if form == "inplace":  # a region is a module, which covers itself: no column says so
+            assert "covers" not in table
+        elif not verbose:  # the first three of each region, then "+N more"
+            # (verbose: up to 200 columns, past which a path folds onto the next line)
+            for path in [path for span in spans for path in module_paths(p.graph, span)[:3]]:
+                assert path.removeprefix("encoder_stack.") in table, path
+                assert path not in table
+        for r in p.regions:  # in place a region's name is its module's path: shortened alike
+            name = r.name.removeprefix("encoder_stack.") if form == "inplace" else r.name
+            assert f" {'  ' * r.depth}{name} " in table
