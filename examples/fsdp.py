@@ -64,7 +64,7 @@ def main() -> None:
 
     # 1. plan one rank: FSDP2 units are each child of model.blocks, and the root
     config = planner.FSDPConfig(world_size=world, backend="gloo")
-    p = planner.plan(model, batch, mem_budget_gb=0.0045, form="inplace", fsdp=config)
+    p = planner.plan(model, batch, mem_budget_gb=0.0045, fsdp=config)  # in place
     # 2. apply in place; 3. (optional) block.compile() here; 4. shard with the plan's units
     p.apply(model)
     shard(model, config)

@@ -47,7 +47,7 @@ example_input = (tokens, tokens.roll(-1, dims=1))  # plan at the largest shape y
 untouched = copy.deepcopy(model)
 
 eager = planner.measure(model, example_input)
-p = planner.plan(model, example_input, mem_budget_gb=0.5 * eager.peak_bytes / 1e9, form="inplace")
+p = planner.plan(model, example_input, mem_budget_gb=0.5 * eager.peak_bytes / 1e9)  # in place
 print(p.summary())
 
 p.apply(model)  # the same model object, its own blocks now checkpointed as planned

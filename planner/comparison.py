@@ -1,8 +1,10 @@
 """``planner.compare``: every solver at every budget on one model, side by side.
 
-The model is captured and priced once; each solver then solves the same CostGraph, so rows differ
-only by solver and budget. With ``measure=True`` each plan also runs one real training step
-(``planner.measure``) for its measured peak and step time against the unmodified model's.
+The model is priced once, in place (the default) or as a graph (``planner/priced.py``); each
+solver then solves the same CostGraph with the same options (``objective``, FLOPs cap, device),
+so rows differ only by solver and budget. With ``measure=True`` each plan also runs one real
+training step (``planner.measure``) for its measured peak and step time against the unmodified
+model's: an in-place plan applied to the model for it and removed after.
 """
 
 from __future__ import annotations

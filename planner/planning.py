@@ -5,10 +5,9 @@ Every way in goes through here, so every way in makes the same checks and raises
 - ``plan()`` runs the four steps for one budget;
 - ``apply_plan()`` runs capture and estimate, takes the schedule from a saved file instead of a
   solver, and builds;
-- the command line runs :func:`price` (capture, estimate), works out a budget given as a
-  percentage from the priced graph, then :meth:`PricedModel.plan` (solve, build);
-- ``planner.compare`` runs :func:`price` once, then :meth:`PricedModel.solve` and
-  :meth:`PricedModel.build` per solver and budget (a solver's error is that row's answer).
+- the command line, ``planner.compare`` and ``planner.fit_batch`` price once in either form
+  (``planner/priced.py``: :func:`price` here for the graph form), then solve and build per
+  budget, solver or batch size with the same options ``plan()`` takes.
 
 Import order is one way: this module uses ``plan_file`` (the file format) and ``report`` (the
 text), which never import it back.
