@@ -869,12 +869,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except PlannerError as e:
         # Planner errors say what went wrong and how to fix it; a traceback adds nothing.
-        print(f"planner: {type(e).__name__}: {e}", file=sys.stderr)
+        # One line, whatever the message holds, so that logs and scripts read it whole.
+        text = " ".join(str(e).split())
         least = getattr(e, "min_bytes", None)
         if least is not None:
-            print(
-                f"  on the command line: --budget {math.ceil(least / MIB * 10) / 10}MiB",
-                file=sys.stderr,
-            )
+            text += f" On the command line: --budget {math.ceil(least / MIB * 10) / 10}MiB"
+        print(f"planner: {type(e).__name__}: {text}", file=sys.stderr)
         return 2
     return 0

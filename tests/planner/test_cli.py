@@ -218,13 +218,18 @@ def test_usage_errors_exit_2_with_the_fix(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_an_infeasible_budget_exits_2_naming_the_least_feasible_one(capsys):
-    code = main(["plan", GPT, "--budget", "1KiB", "--solver", "uniform", "-q", "--form", "graph"])
-    assert code == 2
+@pytest.mark.parametrize("form", ["graph", "inplace"])
+def test_an_infeasible_budget_exits_2_naming_the_least_feasible_one(form, capsys):
+    solver = "uniform" if form == "graph" else "auto"
+    argv = ["plan", GPT, "--solver", solver, "-q", "--form", form, "--device", "h100"]
+    assert main([*argv, "--budget", "1KiB"]) == 2
     err = capsys.readouterr().err
     assert "InfeasibleBudgetError" in err and "least feasible budget" in err
-    assert "on the command line: --budget" in err
-    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # the budget it suggests is one the same command plans within
+    suggested = re.search(r"On the command line: --budget ([0-9.]+MiB)", err).group(1)
+    assert main([*argv, "--budget", suggested]) == 0
+    assert "predicted peak" in capsys.readouterr().out
 
 
 # --- the same pipeline, checks and errors as planner.plan -----------------------------------------
