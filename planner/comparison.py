@@ -242,10 +242,10 @@ def compare(
     (``planner.measure``, ``repeats`` timed steps) for the measured peak and the step-time ratio
     against the unmodified model; an in-place plan is applied to ``model`` for its measurement
     and removed again (``planner.remove``).
-    ``objective``, ``max_recompute_flops_fraction``, ``device``, ``fsdp`` (in place only): as for
-    ``planner.plan``, the same for every row (a solver that cannot keep to the FLOPs cap gets a
-    row saying so). ``solver_opts``: extra keyword options per solver name, e.g.
-    ``{"ilp": {"time_limit_s": 5}}``.
+    ``objective``, ``max_recompute_flops_fraction``, ``device``, ``fsdp`` (in place only, not
+    with ``measure``): as for ``planner.plan``, the same for every row (a solver that cannot
+    keep to the FLOPs cap gets a row saying so). ``solver_opts``: extra keyword options per
+    solver name, e.g. ``{"ilp": {"time_limit_s": 5}}``.
     ``progress``: show a progress bar (only once a step takes more than half a second).
     """
     if solvers is not None:
@@ -256,6 +256,12 @@ def compare(
         names = solver_names()
     # unknown names, options and solvers that do not suit the form fail before the work
     profile = check_form_options(form, names, objective=objective, device=device, fsdp=fsdp)
+    if fsdp is not None and measure:
+        raise ValueError(
+            "measure=True runs one process, while an fsdp plan is priced for one rank of "
+            "FSDP2; measure it sharded, under torchrun (examples/fsdp.py), or compare "
+            "without measure"
+        )
     if budgets_gb is not None:
         budgets_bytes = [_gb_to_bytes(gb) for gb in budgets_gb]
         if not budgets_bytes or min(budgets_bytes) <= 0:

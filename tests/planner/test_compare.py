@@ -456,6 +456,10 @@ def test_compare_takes_every_option_plan_takes():
         )
     with pytest.raises(ValueError, match="objective"):
         compare_module.compare(model, example_input, [1.0], objective="memory")
+    with pytest.raises(ValueError, match="torchrun"):
+        compare_module.compare(
+            model, example_input, [1.0], measure=True, fsdp=planner.FSDPConfig(2)
+        )
     with pytest.raises(ValueError, match="unknown device profile"):
         compare_module.compare(model, example_input, [1.0], device="tpu9")
     with pytest.raises(ValueError, match="solvers not compared: greedy"):
