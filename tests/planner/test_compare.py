@@ -464,3 +464,36 @@ def test_compare_takes_every_option_plan_takes():
         compare_module.compare(model, example_input, [1.0], device="tpu9")
     with pytest.raises(ValueError, match="solvers not compared: greedy"):
         compare_module.compare(model, example_input, [1.0], solver_opts={"greedy": {}})
+
+
+def test_compare_and_fit_batch_plan_one_fsdp_rank_as_plan_does():
+    import planner.comparison as compare_module
+
+    model, example_input = gpt_ref_small_example()
+    config = planner.FSDPConfig(world_size=2)
+    kw = dict(solvers=["dp"], device="h100", fsdp=config)
+    c = compare_module.compare(model, example_input, budget_fractions=[0.95], **kw)
+    unsharded = compare_module.compare(
+        model, example_input, budget_fractions=[0.95], solvers=["dp"], device="h100"
+    )
+    # one rank holds half the parameter gradients, and FSDP2's buffers: another eager peak
+    assert c.eager_predicted_peak_bytes != unsharded.eager_predicted_peak_bytes
+    row = c.rows[0]
+    assert row.feasible and row.recompute_flops_pct > 0
+    api = planner.plan(
+        model, example_input, row.budget_bytes / 1e9, solver="dp", device="h100", fsdp=config
+    )
+    p = c.plans[("dp", row.budget_bytes)]
+    assert [r.name for r in p.regions] == [r.name for r in api.regions]
+    assert row.predicted_peak_bytes == api.predicted_peak_bytes <= row.budget_bytes
+    fit = planner.fit_batch(
+        model,
+        lambda batch_size: example_input,
+        row.budget_bytes / 1e9,
+        batch_sizes=[2],
+        solver="dp",
+        device="h100",
+        fsdp=config,
+    )
+    assert fit.plan.predicted_peak_bytes == api.predicted_peak_bytes
+    assert fit.rows[0].eager_peak_bytes == c.eager_predicted_peak_bytes
