@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from planner import hf_checkpointing
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
 from planner.inplace import (
@@ -314,7 +315,8 @@ def plan(
         )
         solve_time_s = time.perf_counter() - start_s
         return build_inplace_plan(model, eg, schedule, budget_bytes, solve_time_s=solve_time_s)
-    priced = price(model, example_input, loss_fn=loss_fn, device=device)
+    with hf_checkpointing.paused(model):  # priced as it runs under the plan
+        priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(
         budget_bytes,
         solver,
