@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.errors import InvalidBudgetError
 
 GB = 10**9  # decimal gigabytes, as ``mem_budget_gb``
 
@@ -121,7 +121,7 @@ def step_budget_gb(
 ) -> float:
     """The ``mem_budget_gb`` to plan with so that a step fits a device of ``device_memory_gb``
     (decimal GB) beside the parameters and optimizer state (:func:`static_memory` for the
-    options). Raises ``InfeasibleBudgetError`` when those alone fill the device."""
+    options). Raises ``InvalidBudgetError`` when those alone fill the device."""
     static = static_memory(
         model,
         param_dtype=param_dtype,
@@ -133,7 +133,7 @@ def step_budget_gb(
     )
     left_bytes = round(device_memory_gb * GB) - static.total_bytes
     if left_bytes <= 0:
-        raise InfeasibleBudgetError(
+        raise InvalidBudgetError(
             f"parameters ({static.parameter_bytes / GB:.2f} GB), {optimizer} state "
             f"({static.optimizer_state_bytes / GB:.2f} GB), master weights "
             f"({static.master_weight_bytes / GB:.2f} GB) and the reserve "
