@@ -73,6 +73,13 @@ def hf_flags_on(model: torch.nn.Module) -> list[str]:
     ]
 
 
+def turn_off(model: torch.nn.Module) -> list[str]:
+    """Turn Hugging Face's checkpointing flags off; the paths of those that were on."""
+    paths = hf_flags_on(model)
+    _turn_off(model, paths)
+    return paths
+
+
 def _turn_off(model: torch.nn.Module, paths: list[str]) -> None:
     for path in paths:
         # an instance attribute: GradientCheckpointingLayer's class default is False

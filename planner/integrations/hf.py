@@ -29,24 +29,26 @@ log the Trainer writes gets ``planner/budget_bytes``, ``planner/predicted_peak_b
 the callback first, so that every reporting integration (TensorBoard, W&B) sees them too.
 
 With gradient accumulation a step's later micro-batches start with gradients allocated, which
-the measurement counts as baseline. ``TrainingArguments(gradient_checkpointing=True)`` beside
-this callback is refused (``CheckpointingConflictError``): the plan checkpoints instead.
+the measurement counts as baseline. ``TrainingArguments(gradient_checkpointing=True)`` (trl's
+``SFTConfig`` default) beside this callback: Hugging Face's checkpointing is turned off when
+training begins, with a warning; the plan checkpoints instead.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from planner import hf_checkpointing
 from planner.hf_checkpointing import applied_plan
 from planner.inplace import InplacePlan
 from planner.integrations import at_shape, load_plan, make_plan, peak_logs
 from planner.measurement import StepPeak
 from planner.passes.step import LossFn
-from planner.solvers.errors import CheckpointingConflictError
 
 
 class PlanCallback(TrainerCallback):
@@ -90,11 +92,14 @@ class PlanCallback(TrainerCallback):
         if getattr(args, "activation_checkpointing", False) or getattr(
             args, "gradient_checkpointing", False
         ):
-            raise CheckpointingConflictError(
-                "TrainingArguments(gradient_checkpointing=True) turns on Hugging Face's "
-                "checkpointing of every layer, and PlanCallback applies a planner plan: one of "
-                "the two. Set gradient_checkpointing=False to train with the plan."
+            # Trainer.train() has just turned it on (SFTConfig does by default)
+            warnings.warn(
+                "planner: TrainingArguments(gradient_checkpointing=True) turned on Hugging "
+                "Face's checkpointing of every layer; PlanCallback turns it off and trains with "
+                "the plan. Pass gradient_checkpointing=False to say so.",
+                stacklevel=2,
             )
+            hf_checkpointing.turn_off(model)
         self._model = model
         self._meter = StepPeak(model) if self.measure else None
         if self.plan is not None:

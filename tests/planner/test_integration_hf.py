@@ -118,7 +118,59 @@ def test_trainer_with_peft_applies_a_saved_plan(tmp_path):
     assert_peaks_logged(trainer, cb.plan)
 
 
-def test_gradient_checkpointing_argument_beside_the_callback_is_refused(tmp_path):
+def test_gradient_checkpointing_argument_beside_the_callback_is_turned_off(tmp_path):
+    model = llama(layers=2)
     cb = PlanCallback(mem_budget_gb="50%", device="cpu")
-    with pytest.raises(planner.CheckpointingConflictError, match="gradient_checkpointing=False"):
-        train(llama(layers=2), str(tmp_path), cb, gradient_checkpointing=True)
+    with pytest.warns(UserWarning, match="PlanCallback turns it off"):
+        train(model, str(tmp_path), cb, gradient_checkpointing=True)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [False, False]
+    assert planner.applied_plan(model) is cb.plan and len(cb.plan.regions) > 0
+
+
+def test_trl_sft_trainer_with_the_callback(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tests.planner.tiny_llama import VOCAB
+
+    # a word-level tokenizer over the tiny vocabulary: nothing to download
+    words = tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(words),
+        pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(SEQ - 24, SEQ, (BATCH * STEPS,), generator=g)
+    rows = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
+    data = datasets.Dataset.from_dict({"input_ids": rows})  # tokenized: trl pads per batch
+
+    def sft(model: torch.nn.Module, name: str, callback: PlanCallback | None):
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / name), max_steps=STEPS, per_device_train_batch_size=BATCH,
+            learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+            logging_steps=1, disable_tqdm=True, seed=0, gradient_checkpointing=False,
+        )  # fmt: skip
+        grads = Grads()
+        trainer = trl.SFTTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer,
+            callbacks=[grads],
+        )  # fmt: skip
+        if callback is not None:
+            add_callback(trainer, callback)
+        trainer.train()
+        return trainer, grads
+
+    _, ref = sft(llama(), "ref", None)
+    model = llama()
+    # trl runs the LM head and loss through its fused, tiled kernel (fused_lm_head=True), whose
+    # buffers outside any module region are most of this tiny model's step: 90% of eager
+    cb = PlanCallback(mem_budget_gb="90%", largest_shape=(BATCH, SEQ), device="cpu")
+    trainer, got = sft(model, "plan", cb)
+    assert planner.applied_plan(model) is cb.plan and len(cb.plan.regions) > 0
+    assert_bitwise(got, ref)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == STEPS
+    for h in logged:
+        assert h["planner/predicted_peak_bytes"] == cb.plan.predicted_peak_bytes
+        # batches are padded to their own longest row (at most the planned length)
+        assert h["planner/measured_peak_bytes"] <= cb.plan.budget_bytes, h
