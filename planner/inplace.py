@@ -15,6 +15,11 @@ the ops: MUST_SAVE for the planned keeps, PREFER_RECOMPUTE otherwise. Nothing de
 so any batch and sequence length runs (plan at the largest you train: memory grows with shape).
 If a call's op sequence differs from the planned one (data-dependent control flow), the rest of
 that call recomputes everything and a warning names the module once.
+
+Applying records the plan on the model (``planner.applied_plan(model)``) and keeps Hugging
+Face's own gradient checkpointing out of its way (``planner/hf_checkpointing.py``): turned off
+when the plan is applied, refused while it is; ``remove`` undoes both. Training-loop callbacks
+that apply a plan and log its peak: ``planner/integrations/``.
 """
 
 from __future__ import annotations

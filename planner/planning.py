@@ -277,8 +277,9 @@ def plan(
 
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
-    (parameters and optimizer state), in decimal GB. Raises ``InfeasibleBudgetError`` (with the
-    least feasible budget) when no schedule fits. ``device``: whose step time to predict and
+    (parameters and optimizer state), in decimal GB; ``planner.step_budget_gb`` derives it
+    from a device's memory (``planner/device_budget.py``). Raises ``InfeasibleBudgetError`` (with
+    the least feasible budget) when no schedule fits. ``device``: whose step time to predict and
     minimise (see :func:`price`), e.g. ``"h100"`` for a model built on the meta device.
     ``fsdp``: an ``FSDPConfig`` (``form="inplace"`` only): plan one rank of FSDP2 sharding, its
     example input that rank's micro-batch and the budget that rank's peak (``planner/fsdp.py``);
