@@ -28,10 +28,11 @@ log the Trainer writes gets ``planner/budget_bytes``, ``planner/predicted_peak_b
 ``planner/measured_peak_bytes`` (the most measured since the last log); ``add_callback`` puts
 the callback first, so that every reporting integration (TensorBoard, W&B) sees them too.
 
-With gradient accumulation a step's later micro-batches start with gradients allocated, which
-the measurement counts as baseline. ``TrainingArguments(gradient_checkpointing=True)`` (trl's
-``SFTConfig`` default) beside this callback: Hugging Face's checkpointing is turned off when
-training begins, with a warning; the plan checkpoints instead.
+With gradient accumulation the measurement spans every micro-batch of the optimizer step: the
+gradients the first one makes stay counted, as the prediction counts them.
+``TrainingArguments(gradient_checkpointing=True)`` (trl's ``SFTConfig`` default) beside this
+callback: Hugging Face's checkpointing is turned off when training begins, with a warning; the
+plan checkpoints instead.
 """
 
 from __future__ import annotations

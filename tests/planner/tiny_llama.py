@@ -13,14 +13,15 @@ BATCH, SEQ = 4, 128
 
 
 def llama(seed: int = 0, layers: int = 4) -> torch.nn.Module:
-    """Llama: 4 layers, hidden 64, grouped-query attention (4 heads, 2 key/value), no cache."""
+    """Llama: 4 layers, hidden 64, grouped-query attention (4 heads, 2 key/value), attention
+    dropout 0.1 (so that bitwise-equal gradients show the random stream kept), no cache."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
+        attention_dropout=0.1, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
     )  # fmt: skip
     return LlamaForCausalLM(cfg).train()
 
