@@ -73,6 +73,19 @@ def assert_peaks_logged(trainer: Any, plan: Any) -> list[dict]:
     return logged
 
 
+def test_at_shape_tiles_each_batch_tensor_to_the_largest_shape():
+    from planner.integrations import at_shape
+
+    x = batch(rows=2, length=6)
+    tiled = at_shape({**x, "use_cache": False}, (5, 16))
+    assert tiled["use_cache"] is False
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert tiled[key].shape == (5, 16)
+        assert torch.equal(tiled[key][:2, :6], x[key])  # rows and positions repeat
+        assert torch.equal(tiled[key][2:4, 6:12], x[key])
+    assert at_shape(x, None) is x
+
+
 def test_trainer_plans_on_first_batch_at_half_eager(tmp_path):
     ref_trainer, ref = train(llama(), str(tmp_path / "ref"))
     model = llama()

@@ -97,12 +97,14 @@ def test_lightning_applies_a_saved_plan_in_setup(tmp_path):
     )
     path = tmp_path / "plan.json"
     p.save(path)
-    cb = PlanCallback(path, module="model", measure=False)
-    trainer = L.Trainer(max_steps=0, accelerator="cpu", logger=False, enable_progress_bar=False)
-    cb.setup(trainer, module, "fit")  # the model-setup hook, as Trainer.fit calls it
-    assert planner.applied_plan(module.model) is cb.plan
+    cb = PlanCallback(path, module="model")
+    trainer, _ = fit(module, tmp_path / "fit", cb)
+    assert planner.applied_plan(module.model) is cb.plan  # applied in setup
     assert {r.path for r in cb.plan.module_regions} == {
         path for path, m in module.model.named_modules() if "forward" in m.__dict__
     }
+    assert [h["planner/predicted_peak_bytes"] for h in cb.history] == [p.predicted_peak_bytes] * 3
+    for h in cb.history:
+        assert h["planner/measured_peak_bytes"] <= p.budget_bytes, h
     with pytest.raises(ValueError, match="no such submodule"):
         PlanCallback(path, module="nope").setup(trainer, module, "fit")
