@@ -176,8 +176,8 @@ def test_trl_sft_trainer_with_the_callback(tmp_path):
     _, ref = sft(llama(), "ref", None)
     model = llama()
     # trl runs the LM head and loss through its fused, tiled kernel (fused_lm_head=True), whose
-    # buffers outside any module region are most of this tiny model's step: 90% of eager
-    cb = PlanCallback(mem_budget_gb="90%", largest_shape=(BATCH, SEQ), device="cpu")
+    # memory lies outside any module region: the least feasible budget is 63% of eager here
+    cb = PlanCallback(mem_budget_gb="75%", largest_shape=(BATCH, SEQ), device="cpu")
     trainer, got = sft(model, "plan", cb)
     assert planner.applied_plan(model) is cb.plan and len(cb.plan.regions) > 0
     assert_bitwise(got, ref)
