@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.solvers.errors import (
     CaptureError,
+    CheckpointingConflictError,
     InfeasibleBudgetError,
     InvalidBudgetError,
     PlanFileError,
@@ -27,8 +28,10 @@ from planner.solvers.errors import (
 if TYPE_CHECKING:
     from planner.batch_search import BatchFit, fit_batch
     from planner.comparison import Comparison, compare
+    from planner.device_budget import DeviceFit, device_fit, step_budget_gb
     from planner.devices import DeviceProfile
     from planner.fsdp import FSDPConfig
+    from planner.hf_checkpointing import applied_plan
     from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
@@ -38,7 +41,9 @@ if TYPE_CHECKING:
 _PUBLIC = {
     "planner.batch_search": ("BatchFit", "fit_batch"),
     "planner.comparison": ("Comparison", "compare"),
+    "planner.device_budget": ("DeviceFit", "device_fit", "step_budget_gb"),
     "planner.devices": ("DeviceProfile",),
+    "planner.hf_checkpointing": ("applied_plan",),
     "planner.fsdp": ("FSDPConfig",),
     "planner.inplace": ("InplacePlan", "remove"),
     "planner.measurement": ("Measurement", "measure"),
@@ -61,7 +66,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BatchFit",
     "CaptureError",
+    "CheckpointingConflictError",
     "Comparison",
+    "DeviceFit",
     "DeviceProfile",
     "FSDPConfig",
     "InfeasibleBudgetError",
@@ -74,10 +81,13 @@ __all__ = [
     "RecomputeCapError",
     "Region",
     "UnsupportedModelError",
+    "applied_plan",
     "apply_plan",
     "compare",
+    "device_fit",
     "fit_batch",
     "measure",
     "plan",
     "remove",
+    "step_budget_gb",
 ]

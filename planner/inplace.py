@@ -15,6 +15,11 @@ the ops: MUST_SAVE for the planned keeps, PREFER_RECOMPUTE otherwise. Nothing de
 so any batch and sequence length runs (plan at the largest you train: memory grows with shape).
 If a call's op sequence differs from the planned one (data-dependent control flow), the rest of
 that call recomputes everything and a warning names the module once.
+
+Applying records the plan on the model (``planner.applied_plan(model)``) and keeps Hugging
+Face's own gradient checkpointing out of its way (``planner/hf_checkpointing.py``): turned off
+when the plan is applied, refused while it is; ``remove`` undoes both. Training-loop callbacks
+that apply a plan and log its peak: ``planner/integrations/``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner import hf_checkpointing
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig, per_rank
 from planner.measurement import measured_step_time
@@ -115,7 +121,7 @@ class InplacePlan:
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model``'s own region modules in place; returns the same object."""
         check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")
-        return apply_regions(model, self.module_regions)
+        return apply_regions(model, self.module_regions, self)
 
     def summary(self, verbose: bool = False) -> str:
         """A table of the regions and the predicted memory and recompute cost (``verbose``:
@@ -161,14 +167,15 @@ def price_inplace(
     """
     on_device = any(p.device.type != "meta" for p in model.parameters())
     time_ops = device is None and on_device
-    eg = eager_graph(
-        model,
-        example_input,
-        loss_fn,
-        rates=device,
-        time_ops=time_ops,
-        step_time=measured_step_time(model, example_input, loss_fn) if time_ops else None,
-    )
+    with hf_checkpointing.paused(model):
+        eg = eager_graph(
+            model,
+            example_input,
+            loss_fn,
+            rates=device,
+            time_ops=time_ops,
+            step_time=measured_step_time(model, example_input, loss_fn) if time_ops else None,
+        )
     return eg if fsdp is None else per_rank(model, eg, fsdp)
 
 
@@ -333,22 +340,35 @@ class _RegionForward(ForwardWrapper):
             )
 
 
-def apply_regions(model: torch.nn.Module, regions: tuple[ModuleRegion, ...]) -> torch.nn.Module:
-    """Wrap each region's module of ``model`` in place (any earlier plan is removed first)."""
+def apply_regions(
+    model: torch.nn.Module, regions: tuple[ModuleRegion, ...], plan: InplacePlan | None = None
+) -> torch.nn.Module:
+    """Wrap each region's module of ``model`` in place (any earlier plan is removed first), and
+    record ``plan`` on it, Hugging Face's own checkpointing turned off (hf_checkpointing.py)."""
     remove(model)
+    wrap_regions(model, regions)
+    hf_checkpointing.mark_applied(model, plan, regions)
+    return model
+
+
+def wrap_regions(model: torch.nn.Module, regions: tuple[ModuleRegion, ...]) -> None:
     for region in regions:
         _RegionForward(region).install(model.get_submodule(region.path))
-    return model
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
     """Undo an applied plan: every wrapped module runs its own forward again. Same object."""
+    hf_checkpointing.unmark(model)
+    unwrap_regions(model)
+    return model
+
+
+def unwrap_regions(model: torch.nn.Module) -> None:
     for module in model.modules():
         own = module.__dict__.get("forward")
         wrapper = getattr(own, "__func__", None)
         if isinstance(wrapper, _RegionForward):
             wrapper.uninstall(module)
-    return model
 
 
 def check_fits(
@@ -481,4 +501,4 @@ def apply_plan_file(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
     """``planner.apply_plan(model, path)``: check the file fits ``model``, then wrap in place."""
     plan = load_inplace(path)
     check_fits(model, plan.model_class, plan.module_tree, plan.module_regions, str(path))
-    return apply_regions(model, plan.module_regions)
+    return apply_regions(model, plan.module_regions, plan)

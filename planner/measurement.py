@@ -373,6 +373,55 @@ def _tracked_step(
     return tracker.peak_bytes, saved_bytes, tracker.timeline, tracker.peak_event
 
 
+class StepPeak:
+    """The peak bytes above the baseline over a stretch of the caller's own training loop, by
+    the same means as :func:`measure`: on CUDA the allocator's ``max_memory_allocated`` above
+    the ``memory_allocated`` at :meth:`start`; elsewhere the live-storage tracker, which counts
+    the storages born after :meth:`start` (parameters, buffers, optimizer state, the batch and
+    gradients that already exist are the baseline). ``start()`` before the step's forward,
+    ``stop()`` after its backward (before the optimizer step): what the plan's
+    ``predicted_peak_bytes`` predicts, when the step starts with parameter gradients None.
+
+    For training-loop callbacks (``planner.integrations``): the tracker is a TorchDispatchMode,
+    entered at ``start`` and left at ``stop``, so the two must nest with any other mode the loop
+    enters, and it slows the step it watches (Python per op); the CUDA statistics cost nothing.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.device = _device_of(module, None)
+        self.method = "cuda" if self.device.type == "cuda" else "tracker"
+        self._tracker: _LiveStorageTracker | None = None
+        self._base_bytes = 0
+        self.running = False
+
+    def start(self) -> None:
+        self.running = True
+        if self.method == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._tracker = _LiveStorageTracker([*self.module.parameters(), *self.module.buffers()])
+        self._tracker.__enter__()
+
+    def stop(self) -> int:
+        """The peak bytes since :meth:`start`, above what was allocated then."""
+        if not self.running:
+            raise RuntimeError("StepPeak.stop() without start()")
+        self.running = False
+        if self.method == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self._base_bytes
+        tracker, self._tracker = self._tracker, None
+        assert tracker is not None
+        try:
+            tracker.__exit__(None, None, None)
+        finally:
+            tracker.detach()
+        return tracker.peak_bytes
+
+
 # --- CUDA: the caching allocator's own statistics ----------------------------------------------
 
 

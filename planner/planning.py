@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from planner import hf_checkpointing
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
 from planner.inplace import (
@@ -278,8 +279,9 @@ def plan(
 
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
-    (parameters and optimizer state), in decimal GB. Raises ``InfeasibleBudgetError`` (with the
-    least feasible budget) when no schedule fits. ``device``: whose step time to predict and
+    (parameters and optimizer state), in decimal GB; ``planner.step_budget_gb`` derives it
+    from a device's memory (``planner/device_budget.py``). Raises ``InfeasibleBudgetError`` (with
+    the least feasible budget) when no schedule fits. ``device``: whose step time to predict and
     minimise (see :func:`price`), e.g. ``"h100"`` for a model built on the meta device.
     ``fsdp``: an ``FSDPConfig`` (the in-place form only): plan one rank of FSDP2 sharding, its
     example input that rank's micro-batch and the budget that rank's peak (``planner/fsdp.py``);
@@ -316,7 +318,8 @@ def plan(
         )
         solve_time_s = time.perf_counter() - start_s
         return build_inplace_plan(model, eg, schedule, budget_bytes, solve_time_s=solve_time_s)
-    priced = price(model, example_input, loss_fn=loss_fn, device=device)
+    with hf_checkpointing.paused(model):  # priced as it runs under the plan
+        priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(
         budget_bytes,
         solver,

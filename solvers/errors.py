@@ -60,3 +60,9 @@ class UnsupportedModelError(PlannerError):
 
 class PlanFileError(PlannerError):
     """A saved plan that is malformed, from another version, or for another model."""
+
+
+class CheckpointingConflictError(PlannerError):
+    """Another activation checkpointing (Hugging Face's ``gradient_checkpointing_enable``) was
+    turned on for a model that a planner plan already checkpoints (the message says which way
+    to go)."""

@@ -1,0 +1,138 @@
+"""Training-loop callbacks that apply a plan in place and log its predicted and measured peak.
+
+- ``planner.integrations.hf.PlanCallback``: a Hugging Face ``TrainerCallback`` (``Trainer``,
+  PEFT models, trl's ``SFTTrainer``);
+- ``planner.integrations.lightning.PlanCallback``: a Lightning ``Callback``.
+
+Both take a plan (an ``InplacePlan`` or the path of a saved one), or a budget to plan with on
+the first training batch, tiled to the largest (batch, sequence) shape you will train
+(:func:`at_shape`). Neither module is imported by ``import planner``: each imports its
+framework. What they share is here (no framework imported).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.inplace import InplacePlan, load_inplace
+from planner.passes.step import LossFn
+
+GB = 10**9
+
+
+def at_shape(batch: Any, shape: tuple[int, int] | None) -> Any:
+    """``batch`` with each tensor shaped like its ``input_ids`` (or its first 2-D tensor) tiled
+    to ``shape`` = (batch size, sequence length): the largest step to plan for. Rows and
+    positions repeat, so padding and labels keep their kind; other values pass unchanged.
+    None: ``batch`` as it is."""
+    if shape is None:
+        return batch
+    rows, length = shape
+    if isinstance(batch, torch.Tensor):
+        return _tile(batch, rows, length) if batch.dim() >= 2 else batch
+    if isinstance(batch, dict):
+        ref = batch.get("input_ids")
+        if not isinstance(ref, torch.Tensor):
+            ref = next(
+                (t for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() >= 2), None
+            )
+        if ref is None:
+            return batch
+        lead = tuple(ref.shape[:2])
+        return {
+            k: _tile(t, rows, length)
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == lead
+            else t
+            for k, t in batch.items()
+        }
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(at_shape(t, shape) for t in batch)
+    return batch
+
+
+def _tile(t: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    reps = (math.ceil(rows / t.shape[0]), math.ceil(length / t.shape[1]), *([1] * (t.dim() - 2)))
+    return t.repeat(*reps)[:rows, :length].contiguous()
+
+
+def load_plan(plan: InplacePlan | str | Path) -> InplacePlan:
+    """An ``InplacePlan``, or the one saved at a path (``p.save(path)``)."""
+    if isinstance(plan, InplacePlan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return load_inplace(plan)
+    raise TypeError(
+        f"plan must be an InplacePlan (planner.plan(..., form='inplace')) or the path of a saved "
+        f"one, got {type(plan).__name__}"
+    )
+
+
+def make_plan(
+    model: torch.nn.Module,
+    example_input: Any,
+    mem_budget_gb: float | str,
+    *,
+    loss_fn: LossFn | None = None,
+    solver: str = "auto",
+    device: Any = None,
+) -> InplacePlan:
+    """``planner.plan(model, example_input, ..., form="inplace")``; ``mem_budget_gb`` may also be
+    a share of the predicted eager peak, as the command line takes it (``"50%"``).
+
+    Planning runs real steps of ``model`` (timing) under ``fork_rng``, so the training's random
+    stream (dropout, shuffling) is the same as without the callback."""
+    from planner.inplace import build_inplace_plan, check_span_solver, price_inplace
+    from planner.planning import budget_bytes_from_gb, check_trainable
+    from planner.solvers.costgraph import Schedule
+    from planner.solvers.registry import solve
+    from planner.solvers.simulate import simulate
+
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
+        if not isinstance(mem_budget_gb, str):
+            from planner.planning import plan
+
+            return plan(
+                model,
+                example_input,
+                mem_budget_gb,
+                solver,
+                loss_fn=loss_fn,
+                form="inplace",
+                device=device,
+            )  # type: ignore[return-value]
+        text = mem_budget_gb.strip()
+        if not text.endswith("%"):
+            raise ValueError(
+                f"a budget given as text is a share of the eager peak like '50%', got "
+                f"{mem_budget_gb!r}"
+            )
+        fraction = float(text[:-1]) / 100
+        check_trainable(model)
+        check_span_solver(solver)
+        from planner.devices import device_profile
+
+        profile = None if device is None else device_profile(device)
+        eg = price_inplace(model, example_input, loss_fn, device=profile)
+        budget_bytes = round(fraction * simulate(eg.graph, Schedule()).peak_bytes)
+        budget_bytes_from_gb(budget_bytes / GB)  # the same check of the number as plan()
+        schedule = solve(eg.graph, budget_bytes, solver, "time", None)
+        return build_inplace_plan(model, eg, schedule, budget_bytes)
+
+
+def _cuda_devices(model: torch.nn.Module) -> list[torch.device]:
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+
+
+def peak_logs(plan: InplacePlan | None, measured_bytes: int | None) -> dict[str, float]:
+    """The numbers a callback adds to the training logs (bytes, as ints in floats' place)."""
+    logs: dict[str, float] = {}
+    if plan is not None:
+        logs["planner/budget_bytes"] = plan.budget_bytes
+        logs["planner/predicted_peak_bytes"] = plan.predicted_peak_bytes
+    if measured_bytes is not None:
+        logs["planner/measured_peak_bytes"] = measured_bytes
+    return logs
