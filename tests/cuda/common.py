@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+import planner
 from benchmarks.models import GPTConfig, gpt_example
 from benchmarks.plan_7b import LlamaConfig, llama_example
 from tests.helpers import step
@@ -98,3 +99,12 @@ def assert_close_step(
 
 def _trained(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def plan_half(model: nn.Module, example_input: Any, form: str, eager_bytes: int):
+    """The plan at half ``eager_bytes``, or at the least feasible budget when half is not."""
+    try:
+        return planner.plan(model, example_input, eager_bytes / 2 / 1e9, form=form)
+    except planner.InfeasibleBudgetError as e:
+        assert e.min_bytes > eager_bytes / 2
+        return planner.plan(model, example_input, (e.min_bytes + 0.5) / 1e9, form=form)

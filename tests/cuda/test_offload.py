@@ -62,8 +62,12 @@ def check_offload_block(device: torch.device, monkeypatch) -> None:
     else:
         assert not sent  # on the CPU the host is the device: nothing is copied
     measured = planner.measure(model, x).peak_bytes
-    error = p.predicted_peak_bytes / measured - 1
-    assert abs(error) <= 0.01, (p.predicted_peak_bytes, measured)
+    if device.type == "cuda":
+        error = p.predicted_peak_bytes / measured - 1
+        assert abs(error) <= 0.01, (p.predicted_peak_bytes, measured)
+    else:  # nothing left the device: the step's peak is the unplanned one
+        planner.remove(model)
+        assert measured == planner.measure(model, x).peak_bytes
 
 
 def test_offloaded_block_gradients_prediction_and_side_stream(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import planner
-from tests.cuda.common import MODELS, assert_close_step, assert_close_step_copy
+from tests.cuda.common import MODELS, assert_close_step, assert_close_step_copy, plan_half
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,15 +34,6 @@ class Planned:
     plan: Any
     module: torch.nn.Module  # what carries the plan out
     measured: planner.Measurement
-
-
-def plan_half(model: torch.nn.Module, example_input: Any, form: str, eager_bytes: int):
-    """The plan at half ``eager_bytes``, or at the least feasible budget above it."""
-    try:
-        return planner.plan(model, example_input, eager_bytes / 2 / 1e9, form=form)
-    except planner.InfeasibleBudgetError as e:
-        assert e.min_bytes > eager_bytes / 2
-        return planner.plan(model, example_input, (e.min_bytes + 0.5) / 1e9, form=form)
 
 
 def planned_on(device: torch.device, name: str, form: str) -> Planned:
