@@ -79,6 +79,8 @@ class ConformancePoint:
     solver: str = ""
     regions: int = 0
     note: str = ""
+    # refused at a budget planner had stated as feasible: the least budget the refusal states
+    restated_least_bytes: int = 0
 
     @property
     def ran(self) -> bool:
@@ -355,6 +357,12 @@ def conformance_sweep(
                         continue
                     points.append(_conformance_point(point, factory, time_limit_s))
                     log(_point_line(points[-1]))
+                    restated = points[-1].restated_least_bytes
+                    if restated:  # the least budget a 1-byte plan stated was refused: try
+                        # the one this refusal states, and keep both rows
+                        again = replace(point, budget_bytes=restated + 1)
+                        points.append(_conformance_point(again, factory, time_limit_s))
+                        log(_point_line(points[-1]))
     return points
 
 
@@ -393,7 +401,11 @@ def _conformance_point(
         module, fresh_x = _carried_out(p, factory)
         m = planner.measure(module, x if fresh_x is None else fresh_x, repeats=5)
     except Exception as e:  # a refusal or a failure is the point's answer, not the sweep's end
-        return replace(point, note=f"{type(e).__name__}: {str(e)[:200]}")
+        point = replace(point, note=f"{type(e).__name__}: {str(e)[:200]}")
+        least_bytes = getattr(e, "min_bytes", None)
+        if isinstance(e, planner.InfeasibleBudgetError) and least_bytes > point.budget_bytes:
+            point = replace(point, restated_least_bytes=least_bytes)
+        return point
     return replace(
         point,
         predicted_peak_bytes=p.predicted_peak_bytes,

@@ -54,16 +54,18 @@ def test_peak_is_max_allocated_above_the_start_not_reserved():
     # The step's peak lies within what the allocator reserved for it.
     assert torch.cuda.max_memory_reserved() >= torch.cuda.memory_allocated() + m.peak_bytes
 
-    # With the cache emptied the allocator reserves anew (cudaMalloc) during the step; what was
-    # allocated, and so the peak, is the same bytes.
+    # With the cache emptied the allocator reserves anew (cudaMalloc) during the step, and a
+    # cache holding a 256 MiB free block reserves nothing new: what is allocated, and so the
+    # peak, stays. Not to the byte: the allocator hands out a cached large block whole when
+    # splitting it would leave 1 MiB or less, and counts it whole (its should_split rule), so
+    # the cache's state can move the peak by such remainders, a few of this step's ~20 MiB.
     torch.cuda.empty_cache()
     cold = measure(model, x, warmup=0)
-    assert cold.peak_bytes == m.peak_bytes
-    # A cache holding a large free block changes what is reserved, not the peak.
+    assert cold.peak_bytes == pytest.approx(m.peak_bytes, rel=0.02)
     hog = torch.empty(256 * 2**20, dtype=torch.uint8, device=CUDA)
     del hog
     assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= 256 * 2**20
-    assert measure(model, x).peak_bytes == m.peak_bytes
+    assert measure(model, x).peak_bytes == pytest.approx(m.peak_bytes, rel=0.02)
 
 
 def test_linear_chain_bytes_are_exact_in_allocator_blocks():
