@@ -90,10 +90,11 @@ class _Checkpointed(nn.Module):
         super().__init__()
         self.block, self.context_fn = block, context_fn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        # a Llama layer also takes the rotary tables: every argument goes through
         if self.context_fn is None:
-            return checkpoint(self.block, x, use_reentrant=False)
-        return checkpoint(self.block, x, use_reentrant=False, context_fn=self.context_fn)
+            return checkpoint(self.block, *args, use_reentrant=False)
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=self.context_fn)
 
 
 class _Segmented(nn.Module):
@@ -106,9 +107,21 @@ class _Segmented(nn.Module):
         return checkpoint_sequential(self.blocks, self.segments, x, use_reentrant=False)
 
 
+def block_list(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: GPT's ``blocks``, the Llama of ``plan_7b``'s ``layers``."""
+    for name in ("blocks", "layers"):
+        blocks = getattr(model, name, None)
+        if isinstance(blocks, nn.ModuleList):
+            return blocks
+    raise ValueError(
+        f"{type(model).__name__} has no nn.ModuleList named 'blocks' or 'layers' to checkpoint"
+    )
+
+
 def checkpoint_every_block(model: nn.Module) -> nn.Module:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = _Checkpointed(block)
+    blocks = block_list(model)
+    for i, block in enumerate(blocks):
+        blocks[i] = _Checkpointed(block)
     return model
 
 
@@ -120,8 +133,9 @@ def checkpoint_sqrt_segments(model: nn.Module) -> nn.Module:
 
 def selective_save_matmuls(model: nn.Module) -> nn.Module:
     context_fn = partial(create_selective_checkpoint_contexts, MATMUL_OPS)
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = _Checkpointed(block, context_fn)
+    blocks = block_list(model)
+    for i, block in enumerate(blocks):
+        blocks[i] = _Checkpointed(block, context_fn)
     return model
 
 
@@ -476,14 +490,22 @@ def interleaved_step_times(
             module = modules[name]
             for p in module.parameters():
                 p.grad = None
+            _sync(module)
             start_s = time.perf_counter()
             training_loss(call(module, example_input)).backward()
+            _sync(module)  # on CUDA, backward() returns before its kernels have run
             if r:
                 times[name].append(time.perf_counter() - start_s)
     for module in modules.values():
         for p in module.parameters():
             p.grad = None
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _sync(module: nn.Module) -> None:
+    device = next(module.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def with_interleaved_times(

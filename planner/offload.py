@@ -57,8 +57,11 @@ class _Call:
         return sent
 
     def prefetch(self) -> None:
-        """Copy every sent tensor back, on the side stream (the call's backward is starting)."""
-        for sent in self.sent:
+        """Copy every sent tensor back, on the side stream (the call's backward is starting).
+
+        Last sent first: backward unpacks in the reverse order of forward, so its first node
+        waits for one copy, not for all of them, and the rest overlap its compute."""
+        for sent in reversed(self.sent):
             if sent.back is None:
                 self.stream.wait_event(sent.ready)
                 with torch.cuda.stream(self.stream):
