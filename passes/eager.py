@@ -54,7 +54,16 @@ from planner.passes.estimate import (
     storage_records,
     with_measured_times,
 )
-from planner.passes.step import LossFn, StepTime, floating_leaves, split_input, training_loss
+from planner.passes.step import (
+    LossFn,
+    StepTime,
+    floating_leaves,
+    join_input,
+    loss_on_fake_tensors,
+    model_input,
+    split_input,
+    training_loss,
+)
 from planner.solvers.costgraph import CostGraph, Node
 from planner.solvers.cuts import forbidden_cuts
 
@@ -298,6 +307,8 @@ def eager_graph(
     state.update({k: _to_fake(mode, v) for k, v in model.named_buffers(remove_duplicate=False)})
     fake_args = [_to_fake(mode, a) for a in args]
     fake_kwargs = {k: _to_fake(mode, v) for k, v in kwargs.items()}
+    fake_batch = join_input(example_input, tuple(fake_args), fake_kwargs)
+    call_args, call_kwargs = model_input(model, fake_batch, loss_fn)
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
     device = device or torch.device("cpu")
     if time_ops and device.type == "meta":
@@ -314,8 +325,9 @@ def eager_graph(
     ):
         tracker.recording = True
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-            out = model(*fake_args, **fake_kwargs)
-            loss = training_loss(out, loss_fn)
+            out = model(*call_args, **call_kwargs)
+            with loss_on_fake_tensors():
+                loss = training_loss(out, loss_fn, fake_batch, warn=True)
         tracker.claim_pending()
         tracker.recording = False
         if not tracker.names:

@@ -49,7 +49,13 @@ from planner.passes.op_timing import (
     op_call,
     time_calls,
 )
-from planner.passes.step import StepTime, training_loss
+from planner.passes.step import (
+    StepTime,
+    join_input,
+    loss_on_fake_tensors,
+    split_input,
+    training_loss,
+)
 from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -385,6 +391,7 @@ def estimate(
     rates: DeviceProfile | tuple[float, float] | None = None,
     time_ops: bool = False,
     step_time: StepTime | None = None,
+    batch: Any = None,
 ) -> CostGraph:
     """Price one forward+loss+backward step of ``gm`` on fake tensors (see module docstring).
 
@@ -398,6 +405,8 @@ def estimate(
     cannot run on random tensors; ``Node.fwd_time_s`` / ``bwd_time_s`` then hold them.
     ``step_time``: with ``time_ops``, the real step of ``gm`` measured on the device
     (``planner.measurement.time_step``); node times are fitted to add up to it.
+    ``batch``: the whole example input, for a ``loss_fn(output, batch)`` (it may hold labels
+    that ``args``/``kwargs``, what ``gm`` takes, leave out; None: ``args``/``kwargs``).
     """
     kwargs = kwargs or {}
     nodes = compute_nodes(gm)
@@ -408,6 +417,14 @@ def estimate(
     state = {k: _to_fake(mode, v) for k, v in gm.named_parameters(remove_duplicate=False)}
     state.update({k: _to_fake(mode, v) for k, v in gm.named_buffers(remove_duplicate=False)})
     flat = [_to_fake(mode, x) for x in _flatten_inputs(gm, args, kwargs)]
+    if batch is None:
+        batch = dict(kwargs) if kwargs else tuple(args)
+    batch_args, batch_kwargs = split_input(batch)
+    fake_batch = join_input(
+        batch,
+        tuple(_to_fake(mode, a) for a in batch_args),
+        {k: _to_fake(mode, v) for k, v in batch_kwargs.items()},
+    )
 
     device = _device_of(gm, flat)
     if time_ops and device.type == "meta":
@@ -416,7 +433,7 @@ def estimate(
             "price a meta model by a device profile (rates=...) instead"
         )
     tracker = _Tracker(record_calls=time_ops)
-    for t in [*state.values(), *flat]:
+    for t in [*state.values(), *flat, *tree_leaves(fake_batch)]:
         tracker.register_external(t)
     step = _Step(gm, tracker, index, mode)
     segments = BackwardSegments(tracker)
@@ -450,7 +467,8 @@ def estimate(
         loss_seg = _Segment(start_bytes=tracker.live_bytes)
         tracker.peak_bytes = tracker.live_bytes
         with torch.autograd.graph.saved_tensors_hooks(step._pack, _unpack):
-            loss = training_loss(out, loss_fn)
+            with loss_on_fake_tensors():
+                loss = training_loss(out, loss_fn, fake_batch, warn=True)
         loss_seg.peak_above_start_bytes = tracker.peak_bytes - loss_seg.start_bytes
         if (loss_rec := tracker.lookup(loss)) is not None and loss_rec.node >= 0:
             loss_rec.held_to_end = True  # the caller holds the loss through backward

@@ -60,3 +60,8 @@ class UnsupportedModelError(PlannerError):
 
 class PlanFileError(PlannerError):
     """A saved plan that is malformed, from another version, or for another model."""
+
+
+class LossFallbackWarning(UserWarning):
+    """Planning found no loss (no ``loss_fn``, no ``.loss`` in the output) and differentiates the
+    sum of the model's floating outputs instead."""
