@@ -57,6 +57,8 @@ from planner.passes.estimate import (
 from planner.passes.step import (
     LossFn,
     StepTime,
+    data_dependent_error,
+    data_dependent_errors,
     floating_leaves,
     join_input,
     loss_on_fake_tensors,
@@ -129,6 +131,7 @@ class _OpTracker(_Tracker):
         self.saves: list[_Save] = []
         self.segments = BackwardSegments(self)
         self.died_at: dict[int, int] = {}  # id(storage record) -> op running when it died
+        self.failed_in: str | None = None  # the innermost module a failing forward ran
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -265,6 +268,10 @@ class _CallRecorder(ForwardWrapper):
         tracker.path_stack.append(self.path)
         try:
             return self.run_original(module, *args, **kwargs)
+        except Exception:
+            if tracker.failed_in is None:  # the innermost module running when it failed
+                tracker.failed_in = self.path
+            raise
         finally:
             tracker.path_stack.pop()
             self.calls[self.path].append((start, len(tracker.names), grad))
@@ -325,9 +332,14 @@ def eager_graph(
     ):
         tracker.recording = True
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-            out = model(*call_args, **call_kwargs)
-            with loss_on_fake_tensors():
-                loss = training_loss(out, loss_fn, fake_batch, warn=True)
+            try:
+                out = model(*call_args, **call_kwargs)
+                with loss_on_fake_tensors():
+                    loss = training_loss(out, loss_fn, fake_batch, warn=True)
+            except data_dependent_errors() as e:
+                where = tracker.failed_in
+                kind = None if where is None else type(model.get_submodule(where)).__name__
+                raise data_dependent_error(where, kind, e) from e
         tracker.claim_pending()
         tracker.recording = False
         if not tracker.names:

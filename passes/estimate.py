@@ -51,6 +51,8 @@ from planner.passes.op_timing import (
 )
 from planner.passes.step import (
     StepTime,
+    data_dependent_error,
+    data_dependent_errors,
     join_input,
     loss_on_fake_tensors,
     split_input,
@@ -449,6 +451,11 @@ def estimate(
     ):
         try:
             out = step.run(*flat, enable_io_processing=False)
+        except data_dependent_errors() as e:
+            node = nodes[tracker.node] if 0 <= tracker.node < len(nodes) else None
+            where = None if node is None else module_path(node)
+            kind = None if node is None else _module_type(node).rsplit(".", 1)[-1] or None
+            raise data_dependent_error("" if where is None else where, kind, e) from e
         except Exception as e:
             if sdpa_backend is None:
                 raise

@@ -190,3 +190,38 @@ def loss_on_fake_tensors() -> Iterator[None]:
             "F.cross_entropy(output, batch['labels']) (batch entries the model's forward does "
             "not take are left out of its call)"
         ) from e
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What fake tensors raise where the step reads a tensor's value (``.item()``, ``if t:``,
+    ``nonzero``, a boolean mask)."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
+
+
+def data_dependent_error(
+    where: str | None, module_type: str | None, error: BaseException
+) -> UnsupportedModelError:
+    """The error for a step that reads a tensor's value in module ``where`` (None: in the loss,
+    outside the model), which planning on fake tensors cannot follow."""
+    what = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    part = (
+        "the loss"
+        if where is None
+        else ("the model's own forward" if where == "" else f"module {where!r}")
+        + (f" ({module_type})" if module_type else "")
+    )
+    return UnsupportedModelError(
+        f"{part} reads a tensor's value ({what}: .item(), `if tensor`, or an output whose "
+        f"shape depends on values), which planning cannot follow: it runs the step on fake "
+        f"tensors, which have shapes but no values, so it cannot tell which ops run or what "
+        f"they keep. Fix: make that forward value-independent (torch.where instead of `if`, "
+        f"keep tensors instead of .item()), or move the value-dependent part out of it: compute "
+        f"it before the model call and pass the result in (a flag or Python number), so the "
+        f"same ops run on every batch. Plan with the path you train with."
+    )

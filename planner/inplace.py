@@ -91,6 +91,9 @@ class InplacePlan:
     schedule: Schedule | None = field(default=None, repr=False)
     simulation: Simulation | None = field(default=None, repr=False)
     solve_time_s: float = field(default=0.0, repr=False)
+    # (name, shape) of every parameter: a plan never applies to a model of other widths
+    # (empty: a file saved before they were recorded, not checked)
+    parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
 
     form = FORM
 
@@ -114,7 +117,14 @@ class InplacePlan:
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model``'s own region modules in place; returns the same object."""
-        check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")
+        check_fits(
+            model,
+            self.model_class,
+            self.module_tree,
+            self.module_regions,
+            "the plan",
+            self.parameter_shapes,
+        )
         return apply_regions(model, self.module_regions)
 
     def summary(self, verbose: bool = False) -> str:
@@ -131,6 +141,10 @@ class InplacePlan:
 
 def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple((path, type(m).__name__) for path, m in model.named_modules())
+
+
+def parameter_shapes(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
 def check_span_solver(solver: str) -> None:
@@ -209,6 +223,7 @@ def build_inplace_plan(
         module_regions=tuple(module_regions),
         model_class=type(model).__name__,
         module_tree=module_tree(model),
+        parameter_shapes=parameter_shapes(model),
         solve_time_s=solve_time_s,
         **predictions(graph, schedule, simulation, budget_bytes),
     )
@@ -357,9 +372,11 @@ def check_fits(
     tree: tuple[tuple[str, str], ...],
     regions: tuple[ModuleRegion, ...],
     source: str,
+    shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> None:
     """PlanFileError naming the first way ``model`` differs from the one ``source`` was made
-    for: its class, a region's module path or class, then any module of the tree."""
+    for: its class, a region's module path or class, any module of the tree, then the first
+    parameter whose shape differs (``shapes``; empty: not checked)."""
     fix = "Plan this model with planner.plan(..., form='inplace') and save that plan."
     if type(model).__name__ != model_class:
         raise PlanFileError(
@@ -389,6 +406,26 @@ def check_fits(
         raise PlanFileError(
             f"{source}'s module tree has {len(tree)} modules, this model {len(ours)}. {fix}"
         )
+    if shapes:
+        _check_shapes(model, shapes, source, fix)
+
+
+def _check_shapes(
+    model: torch.nn.Module, shapes: tuple[tuple[str, tuple[int, ...]], ...], source: str, fix: str
+) -> None:
+    # The same module tree at another width prices other bytes: the plan would not hold.
+    ours = dict(parameter_shapes(model))
+    for name, shape in shapes:
+        here = ours.pop(name, None)
+        if here != shape:
+            this = "does not have it" if here is None else f"has {list(here)}"
+            raise PlanFileError(
+                f"{source} was made for parameter {name!r} of shape {list(shape)}, this model "
+                f"{this}. {fix}"
+            )
+    if ours:
+        name = next(iter(ours))
+        raise PlanFileError(f"{source} was made for a model without parameter {name!r}. {fix}")
 
 
 # --------------------------------------------------------------------------- plan files
@@ -407,6 +444,7 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
         "model_class": plan.model_class,
         "fingerprint": _tree_hash(plan.module_tree),
         "module_tree": [list(m) for m in plan.module_tree],
+        "parameter_shapes": [[name, list(shape)] for name, shape in plan.parameter_shapes],
         "solver": plan.solver,
         "budget_bytes": plan.budget_bytes,
         "regions": [
@@ -469,6 +507,10 @@ def load_inplace(path: str | Path) -> InplacePlan:
             step_flops=int(pred["step_flops"]),
             model_class=str(body["model_class"]),
             module_tree=tree,
+            parameter_shapes=tuple(
+                (str(name), tuple(int(d) for d in shape))
+                for name, shape in body.get("parameter_shapes", ())
+            ),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(
@@ -480,5 +522,12 @@ def load_inplace(path: str | Path) -> InplacePlan:
 def apply_plan_file(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """``planner.apply_plan(model, path)``: check the file fits ``model``, then wrap in place."""
     plan = load_inplace(path)
-    check_fits(model, plan.model_class, plan.module_tree, plan.module_regions, str(path))
+    check_fits(
+        model,
+        plan.model_class,
+        plan.module_tree,
+        plan.module_regions,
+        str(path),
+        plan.parameter_shapes,
+    )
     return apply_regions(model, plan.module_regions)

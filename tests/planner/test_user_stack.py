@@ -5,6 +5,7 @@ shapes."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -101,3 +102,111 @@ def test_labels_held_from_outside_the_batch_say_how_to_pass_them(form):
             loss_fn=lambda out: F.cross_entropy(out, labels),
             device="cpu",
         )
+
+
+# --------------------------------------------------------------------------- clear errors
+
+
+class _Gate(nn.Module):
+    """Branches on a value, or reads one with .item()."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.how == "if":
+            return h * 2 if h.sum() > 0 else h
+        return h * x.abs().max().item()
+
+
+@pytest.mark.parametrize("how", ["if", "item"])
+def test_data_dependent_control_flow_names_the_module_and_the_fix(how):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(_Gate(how), nn.ReLU()), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    fix = r"module '1\.0' \(_Gate\) reads a tensor's value .* Fix: .*torch\.where"
+    with pytest.raises(UnsupportedModelError, match=fix):
+        planner.plan(model, x, 1.0, form="inplace", device="cpu")
+    if how == "item":  # a branch stops torch.export itself (a CaptureError saying so)
+        with pytest.raises(UnsupportedModelError, match=fix):
+            planner.plan(model, x, 1.0, form="graph", device="cpu")
+
+
+def _loss_warnings(fn) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if w.category is planner.LossFallbackWarning]
+
+
+@pytest.mark.parametrize("form", ["inplace", "graph"])
+def test_a_loss_that_falls_back_to_the_sum_of_outputs_says_so_once(form):
+    model, batch = _classifier_batch()
+    x = batch["x"]
+
+    def plan(**kw):
+        return planner.plan(model, x, 1.0, form=form, solver="none", device="cpu", **kw)
+
+    (message,) = _loss_warnings(plan)
+    assert "holds no loss" in message and "loss_fn=" in message
+    assert _loss_warnings(lambda: plan(loss_fn=lambda out: out.logsumexp(-1).mean())) == []
+
+
+def test_an_hf_output_without_loss_says_the_batch_has_no_labels():
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class _LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.head(self.embed(input_ids))
+            loss = (
+                None if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            )
+            return CausalLMOutput(loss=loss, logits=logits)
+
+    ids = torch.randint(0, 16, (2, 8))
+    plan = functools.partial(planner.plan, _LM(), mem_budget_gb=1.0, form="inplace", device="cpu")
+    (message,) = _loss_warnings(lambda: plan(example_input={"input_ids": ids}))
+    assert "CausalLMOutput.loss is None" in message and "labels" in message
+    assert _loss_warnings(lambda: plan(example_input={"input_ids": ids, "labels": ids})) == []
+
+
+# --------------------------------------------------------------------------- plan files
+
+
+def test_a_plan_refuses_a_model_whose_parameter_shapes_differ(tmp_path):
+    model, batch = _classifier_batch(width=32)
+    wider, _ = _classifier_batch(width=64)  # the same module tree, other widths
+    p = planner.plan(model, batch, 1.0, form="inplace", loss_fn=_cross_entropy, device="cpu")
+    path = tmp_path / "plan.json"
+    p.save(path)
+    first = r"parameter 'blocks\.0\.0\.weight' of shape \[128, 32\], this model has \[256, 64\]"
+    with pytest.raises(planner.PlanFileError, match=first):
+        planner.apply_plan(wider, path)
+    with pytest.raises(planner.PlanFileError, match=first):
+        p.apply(wider)
+    assert planner.apply_plan(model, path) is model
+
+
+def test_a_plan_file_saved_before_parameter_shapes_still_applies(tmp_path):
+    import json
+
+    from planner.plan_file import _checksum
+
+    model, batch = _classifier_batch()
+    wider, _ = _classifier_batch(width=64)
+    path = tmp_path / "plan.json"
+    planner.plan(model, batch, 1.0, form="inplace", loss_fn=_cross_entropy, device="cpu").save(path)
+    body = json.loads(path.read_text())
+    del body["checksum"], body["parameter_shapes"]
+    body["checksum"] = _checksum(body)
+    path.write_text(json.dumps(body))
+    assert planner.apply_plan(model, path) is model
+    assert planner.apply_plan(wider, path) is wider  # no shapes recorded: not checked
