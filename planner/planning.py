@@ -40,7 +40,7 @@ from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
-from planner.passes.step import LossFn, join_input, model_input
+from planner.passes.step import LossFn, join_input, model_input, takes_batch
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
 from planner.solvers.costgraph import (
@@ -237,7 +237,9 @@ def price(
     check_trainable(model)
     on_step("capture")
     # what the model takes of the batch (a loss_fn(output, batch) may read labels it does not)
-    taken = join_input(example_input, *model_input(model, example_input, loss_fn))
+    taken = example_input
+    if takes_batch(loss_fn):
+        taken = join_input(example_input, *model_input(model, example_input, loss_fn))
     captured = capture(model, taken)
     on_step("estimate")
     # On the device itself, time the graph's own ops there; elsewhere (the meta device, or a
