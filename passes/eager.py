@@ -21,8 +21,10 @@ Module calls: every submodule's ``forward`` is wrapped during the run (an instan
 removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what
 ``planner/inplace.py`` will checkpoint. Not candidates (``EagerGraph.refused`` says why): modules
 called more than once per step (a region is every call of a module, and the plans here price
-one), calls under ``torch.no_grad``, spans whose ops write model buffers (BatchNorm running
-statistics would be updated again by recomputation), and spans an in-place write crosses.
+one), calls under ``torch.no_grad``, spans that write state other than the module's own buffers,
+and spans an in-place write crosses. Spans that write their own buffers (BatchNorm running
+statistics) are candidates: ``EagerGraph.state_buffers`` names the buffers, which an applied
+region's recomputation runs on copies of, so they are updated once per step.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class EagerGraph:
     refused: dict[str, str]
     module_types: dict[str, str]
     module_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # candidate path -> the buffers its forward writes (BatchNorm statistics), relative to it:
+    # an applied region runs its recomputations on copies of them (``planner/inplace.py``)
+    state_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def op_sequence(self, start: int, stop: int) -> list[str]:
         """The overloads a selective-checkpoint policy sees in nodes [start, stop), in order."""
@@ -356,6 +361,13 @@ def eager_graph(
         tracker.segments.close()
         del loss
     tracker.resolve_saves()
+    buffer_of = {
+        id(rec): name
+        for name in dict(model.named_buffers(remove_duplicate=False))
+        if (rec := tracker.lookup(state[name])) is not None
+    }
+    # node -> the model state it writes, by buffer name (None: state that is no buffer)
+    written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
 
     seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
     rates = rates or profile_of(device)
@@ -363,7 +375,7 @@ def eager_graph(
     graph = replace(graph, **device_fields(device, rates))
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time)
-    return _candidates(model, graph, calls)
+    return _candidates(model, graph, calls, written)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -441,11 +453,15 @@ def _skips(tracker: _OpTracker) -> set[int]:
 
 
 def _candidates(
-    model: torch.nn.Module, graph: CostGraph, calls: dict[str, list[tuple[int, int, bool]]]
+    model: torch.nn.Module,
+    graph: CostGraph,
+    calls: dict[str, list[tuple[int, int, bool]]],
+    written: dict[int, set[str | None]],
 ) -> EagerGraph:
     forbidden = forbidden_cuts(graph)
     spans: dict[tuple[int, int], str] = {}
     refused: dict[str, str] = {}
+    state: dict[str, tuple[str, ...]] = {}
     for path, _ in model.named_modules():  # parents first: a shared span keeps the outermost
         made = calls.get(path, [])
         if len(made) != 1:
@@ -455,14 +471,19 @@ def _candidates(
         start, stop, grad = made[0]
         if stop == start:
             continue
+        names = set().union(*(written.get(i, ()) for i in range(start, stop)))
+        prefix = f"{path}." if path else ""
         if not grad:
             refused[path] = "runs under torch.no_grad()"
-        elif any(graph.nodes[i].state_bytes for i in range(start, stop)):
-            refused[path] = "writes model buffers in forward (BatchNorm running statistics)"
+        elif None in names or not all(n.startswith(prefix) for n in names):  # type: ignore[union-attr]
+            # recomputation could not run on copies of state outside the module's own buffers
+            refused[path] = "writes state in forward that is not its own buffers"
         elif start in forbidden or stop in forbidden:
             refused[path] = "an in-place write crosses its boundary"
         else:
             spans.setdefault((start, stop), path)
+            if names:  # BatchNorm statistics: updated once, recomputed on copies (Rule 9)
+                state[path] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
     types = {path: type(m).__name__ for path, m in model.named_modules()}
     once = {path: made[0][:2] for path, made in calls.items() if len(made) == 1}
     return EagerGraph(
@@ -471,4 +492,5 @@ def _candidates(
         refused=refused,
         module_types=types,
         module_spans=once,
+        state_buffers=state,
     )

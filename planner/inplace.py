@@ -25,10 +25,12 @@ import json
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -41,6 +43,7 @@ from planner.measurement import measured_step_time
 from planner.offload import offloaded_call
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
+from planner.passes.rewrite import _outside_selective_checkpointing
 from planner.passes.step import LossFn
 from planner.plan_file import FORMAT, VERSION, _checksum, read_plan_body
 from planner.solvers.costgraph import CostGraph, Schedule
@@ -66,6 +69,8 @@ class ModuleRegion:
     depth: int = 0
     keeps: tuple[tuple[str, int], ...] = ()
     ops: tuple[str, ...] = ()
+    # buffers its forward writes (BatchNorm statistics), relative to it: recomputed on copies
+    state_buffers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,7 @@ def build_inplace_plan(
                 depth=r.depth,
                 keeps=tuple(eg.op_key(i, r.start) for i in saved),
                 ops=tuple(eg.op_sequence(r.start, r.stop)),
+                state_buffers=eg.state_buffers.get(path, ()),
             )
         )
     return InplacePlan(
@@ -322,6 +328,8 @@ class _RegionForward(ForwardWrapper):
         kind = self.region.kind
         if kind == "offload":
             return offloaded_call(body, module, *args)
+        if self.region.state_buffers:
+            body = _updating_once(module, self.region.state_buffers, body)
         if kind != "selective":
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
         policy = _Policy(self)
@@ -346,6 +354,29 @@ class _RegionForward(ForwardWrapper):
                 f"takes the same path you train with.",
                 stacklevel=3,
             )
+
+
+def _updating_once(
+    module: torch.nn.Module, names: tuple[str, ...], body: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``body``, but every call after the first (checkpoint's recomputations) runs on fresh
+    copies of the values ``names`` (buffers of ``module``) held before the step, so BatchNorm
+    statistics are updated once and the recomputed outputs are the same bits (as
+    ``passes/rewrite.py`` ``CheckpointRegion._once``; simulate's Rule 9 prices the copies)."""
+    before = {n: module.get_buffer(n).detach().clone() for n in names}
+    calls = 0
+
+    def run(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return body(*args)
+        with _outside_selective_checkpointing():  # bookkeeping, not ops of the region
+            fresh = {n: v.clone() for n, v in before.items()}
+        with _reparametrize_module(module, fresh):
+            return body(*args)
+
+    return run
 
 
 def apply_regions(model: torch.nn.Module, regions: tuple[ModuleRegion, ...]) -> torch.nn.Module:
@@ -454,6 +485,7 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
                 "depth": m.depth,
                 "keeps": [list(k) for k in m.keeps],
                 "ops": list(m.ops),
+                "state_buffers": list(m.state_buffers),
                 "nodes": list(r.nodes),
                 "saved_nodes": list(r.saved_nodes),
             }
@@ -491,6 +523,7 @@ def load_inplace(path: str | Path) -> InplacePlan:
                 depth=int(r["depth"]),
                 keeps=tuple((str(op), int(k)) for op, k in r["keeps"]),
                 ops=tuple(str(op) for op in r["ops"]),
+                state_buffers=tuple(str(b) for b in r.get("state_buffers", ())),
             )
             module_regions.append(m)
             nodes, saved = tuple(map(str, r["nodes"])), tuple(map(str, r["saved_nodes"]))

@@ -210,3 +210,94 @@ def test_a_plan_file_saved_before_parameter_shapes_still_applies(tmp_path):
     path.write_text(json.dumps(body))
     assert planner.apply_plan(model, path) is model
     assert planner.apply_plan(wider, path) is wider  # no shapes recorded: not checked
+
+
+# --------------------------------------------------------------------------- BatchNorm in place
+
+
+class _BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock: BatchNorm, in-place ReLU, in-place residual add."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+class _ResNet(nn.Module):
+    def __init__(self, channels: int = 8, blocks: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(inplace=True),
+        )
+        self.layers = nn.Sequential(*(_BasicBlock(channels) for _ in range(blocks)))
+        self.fc = nn.Linear(channels, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layers(self.stem(x)).mean(dim=(2, 3)))
+
+
+def _assert_trains_alike_with_statistics(reference, planned, x, steps: int = 2) -> None:
+    """Bitwise the same loss, gradients and BatchNorm statistics, step after step: each
+    statistic updated exactly once per step (num_batches_tracked counts the steps)."""
+    counts = {n: b.item() for n, b in planned.named_buffers() if n.endswith("batches_tracked")}
+    assert counts
+    for _ in range(steps):
+        assert_same_step_copy(reference, planned, x)
+    for (name, a), b in zip(reference.named_buffers(), planned.buffers()):
+        assert torch.equal(a, b), f"buffer {name} differs"
+        if name in counts:
+            assert b.item() == counts[name] + steps, name
+
+
+def _bn_paths(model) -> set[str]:
+    return {path for path, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+
+
+def test_a_resnet_with_batchnorm_and_in_place_relu_plans_below_half_of_eager(tmp_path):
+    torch.manual_seed(0)
+    model, x = _ResNet(), torch.randn(4, 3, 16, 16)
+    reference = copy.deepcopy(model)
+    eager_bytes = planner.measure(model, x).peak_bytes
+    budget = eager_bytes // 2
+    p = planner.plan(model, x, budget / 1e9, form="inplace", device="cpu")
+    regions = {r.name for r in p.regions}
+    # regions hold BatchNorm modules (whole blocks: the in-place ReLU ties a BN to its block)
+    assert any(any(bn.startswith(f"{r}.") for bn in _bn_paths(model)) for r in regions)
+    planned = p.apply(copy.deepcopy(model))
+    measured = planner.measure(planned, x).peak_bytes
+    assert measured == p.predicted_peak_bytes <= budget
+    _assert_trains_alike_with_statistics(reference, planned, x)
+    path = tmp_path / "plan.json"
+    p.save(path)  # the statistics a region writes travel in the file
+    from_file = planner.apply_plan(copy.deepcopy(reference), path)
+    _assert_trains_alike_with_statistics(copy.deepcopy(reference), from_file, x, steps=1)
+
+
+def test_the_unet_plans_below_eager_in_place_with_batchnorm_regions():
+    """The U-Net's skips and concatenations live in the root's own forward, which in place
+    cannot be a region: its least feasible plan is what module regions (every conv-BN-ReLU
+    among them) reach."""
+    from tests.models_zoo import small_unet_example
+
+    model, x = small_unet_example()
+    reference = copy.deepcopy(model)
+    eager_bytes = planner.measure(model, x).peak_bytes
+    least = _least_bytes(model, x, "inplace", None)
+    assert least < 0.9 * eager_bytes
+    p = planner.plan(model, x, least / 1e9, form="inplace", device="cpu")
+    assert {r.name for r in p.regions} & {bn.rsplit(".", 1)[0] for bn in _bn_paths(model)}
+    planned = p.apply(copy.deepcopy(model))
+    assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= least
+    _assert_trains_alike_with_statistics(reference, planned, x)
