@@ -225,3 +225,82 @@ def data_dependent_error(
         f"it before the model call and pass the result in (a flag or Python number), so the "
         f"same ops run on every batch. Plan with the path you train with."
     )
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_dtypes() -> dict[str, torch.dtype]:
+    """Device type -> dtype of every ``torch.autocast`` context active here (empty: none)."""
+    found = {}
+    for device_type in _AUTOCAST_DEVICES:
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+            dtype = torch.get_autocast_dtype(device_type)
+        except TypeError:  # torch < 2.4 took no device type
+            enabled = (
+                torch.is_autocast_cpu_enabled()
+                if device_type == "cpu"
+                else torch.is_autocast_enabled()
+            )
+            dtype = (
+                torch.get_autocast_cpu_dtype()
+                if device_type == "cpu"
+                else torch.get_autocast_gpu_dtype()
+            )
+        if enabled:
+            found[device_type] = dtype
+    return found
+
+
+@contextmanager
+def amp_forward() -> Iterator[None]:
+    """Around the forward and loss of a step run inside the caller's ``torch.autocast``: the
+    step as the AMP recipe runs it, in a fresh autocast context (``with autocast: loss = ...``)
+    whose exit drops the cached low-precision weight copies, so they live only as long as
+    backward holds them. A plan made inside autocast prices that step, and ``measure`` inside
+    it measures that step, whatever the caller's context cached before."""
+    if not autocast_dtypes():
+        yield
+        return
+    torch.clear_autocast_cache()
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache()
+
+
+@contextmanager
+def amp_backward() -> Iterator[None]:
+    """Around backward: outside autocast, as the AMP recipe runs it. Checkpoint restores the
+    forward's autocast state for a recomputation, and, outside any autocast context, the exit
+    of that one drops the weight copies the recomputation cast (they live as long as the
+    region's backward holds them); inside the caller's context they would stay cached to the
+    end of the step, so its nesting is set aside meanwhile."""
+    devices = autocast_dtypes()
+    if not devices:
+        yield
+        return
+    depth = 0
+    while torch.autocast_decrement_nesting() >= 0:
+        depth += 1
+    torch.autocast_increment_nesting()  # undo the step below zero
+    for device_type in devices:  # not an autocast(enabled=False) context: that one nests
+        _set_autocast(device_type, False)
+    try:
+        yield
+    finally:
+        for device_type in devices:
+            _set_autocast(device_type, True)
+        for _ in range(depth):
+            torch.autocast_increment_nesting()
+
+
+def _set_autocast(device_type: str, enabled: bool) -> None:
+    try:
+        torch.set_autocast_enabled(device_type, enabled)
+    except TypeError:  # torch < 2.4 took no device type
+        if device_type == "cpu":
+            torch.set_autocast_cpu_enabled(enabled)
+        else:
+            torch.set_autocast_enabled(enabled)
