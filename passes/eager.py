@@ -68,6 +68,7 @@ from planner.passes.step import (
     join_input,
     loss_on_fake_tensors,
     model_input,
+    precision_text,
     split_input,
     training_loss,
 )
@@ -399,6 +400,7 @@ def eager_graph(
     rates = rates or profile_of(device)
     graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
     graph = replace(graph, **device_fields(device, rates))
+    graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time)
     return _candidates(model, graph, calls, written)

@@ -304,3 +304,13 @@ def _set_autocast(device_type: str, enabled: bool) -> None:
             torch.set_autocast_cpu_enabled(enabled)
         else:
             torch.set_autocast_enabled(enabled)
+
+
+def precision_text(model: torch.nn.Module) -> str:
+    """The dtypes a step runs in: the parameters' and, inside ``torch.autocast``, autocast's
+    (``"parameters float32; autocast cpu bfloat16"``), for summaries and plan files."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    text = f"parameters {', '.join(dtypes) or 'none'}"
+    for device_type, dtype in autocast_dtypes().items():
+        text += f"; autocast {device_type} {str(dtype).removeprefix('torch.')}"
+    return text

@@ -24,8 +24,8 @@ import hashlib
 import json
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,7 @@ class InplacePlan:
     # (name, shape) of every parameter: a plan never applies to a model of other widths
     # (empty: a file saved before they were recorded, not checked)
     parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
+    precision: str = ""  # the dtypes it was priced in (passes/step.py precision_text)
 
     form = FORM
 
@@ -230,6 +231,7 @@ def build_inplace_plan(
         model_class=type(model).__name__,
         module_tree=module_tree(model),
         parameter_shapes=parameter_shapes(model),
+        precision=eg.graph.meta.get("precision", ""),
         solve_time_s=solve_time_s,
         **predictions(graph, schedule, simulation, budget_bytes),
     )
@@ -476,6 +478,7 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
         "fingerprint": _tree_hash(plan.module_tree),
         "module_tree": [list(m) for m in plan.module_tree],
         "parameter_shapes": [[name, list(shape)] for name, shape in plan.parameter_shapes],
+        "precision": plan.precision,
         "solver": plan.solver,
         "budget_bytes": plan.budget_bytes,
         "regions": [
@@ -544,6 +547,7 @@ def load_inplace(path: str | Path) -> InplacePlan:
                 (str(name), tuple(int(d) for d in shape))
                 for name, shape in body.get("parameter_shapes", ())
             ),
+            precision=str(body.get("precision", "")),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(

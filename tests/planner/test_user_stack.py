@@ -301,3 +301,48 @@ def test_the_unet_plans_below_eager_in_place_with_batchnorm_regions():
     planned = p.apply(copy.deepcopy(model))
     assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= least
     _assert_trains_alike_with_statistics(reference, planned, x)
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def _bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def test_a_plan_made_inside_autocast_prices_the_amp_step_it_measures(tmp_path):
+    """Inside torch.autocast the step is the AMP recipe's: forward and loss under a fresh
+    autocast context (its cached bf16 weight copies die with it, unless backward holds them),
+    backward outside. Priced as measured, at budgets from the least feasible to eager."""
+    model, batch = _classifier_batch()
+    with _bf16_autocast():
+        eager_bytes = planner.measure(model, batch, _cross_entropy).peak_bytes
+        least = _least_bytes(model, batch, "inplace", _cross_entropy)
+        for budget in (least, (least + eager_bytes) // 2, eager_bytes):
+            p = planner.plan(
+                model, batch, budget / 1e9, form="inplace", loss_fn=_cross_entropy, device="cpu"
+            )
+            assert p.baseline_peak_bytes == eager_bytes
+            planned = p.apply(copy.deepcopy(model))
+            measured = planner.measure(planned, batch, _cross_entropy).peak_bytes
+            assert measured <= p.predicted_peak_bytes <= min(budget, 1.01 * measured)
+    assert "autocast cpu bfloat16" in p.summary() and "parameters float32" in p.summary()
+    path = tmp_path / "plan.json"
+    p.save(path)
+    assert '"precision": "parameters float32; autocast cpu bfloat16"' in path.read_text()
+
+
+def test_a_bf16_model_is_priced_in_bf16():
+    model, batch = _classifier_batch()
+    model = model.to(torch.bfloat16)
+    batch["x"] = batch["x"].to(torch.bfloat16)
+    eager_bytes = planner.measure(model, batch, _cross_entropy).peak_bytes
+    least = _least_bytes(model, batch, "inplace", _cross_entropy)
+    budget = (least + eager_bytes) // 2
+    p = planner.plan(
+        model, batch, budget / 1e9, form="inplace", loss_fn=_cross_entropy, device="cpu"
+    )
+    assert p.baseline_peak_bytes == eager_bytes
+    measured = planner.measure(p.apply(copy.deepcopy(model)), batch, _cross_entropy).peak_bytes
+    assert measured == p.predicted_peak_bytes <= budget
+    assert "priced in parameters bfloat16" in p.summary()
