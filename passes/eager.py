@@ -61,7 +61,6 @@ from planner.passes.step import (
     StepTime,
     amp_backward,
     amp_forward,
-    autocast_dtypes,
     data_dependent_error,
     data_dependent_errors,
     floating_leaves,
@@ -141,10 +140,6 @@ class _OpTracker(_Tracker):
         self.segments = BackwardSegments(self)
         self.died_at: dict[int, int] = {}  # id(storage record) -> op running when it died
         self.failed_in: str | None = None  # the innermost module a failing forward ran
-        # autocast's weight copies, held to the end of forward as autocast's cache holds them
-        # (it caches no fake tensor, so the pricing run holds them here instead)
-        self.cast_cache: list[torch.Tensor] = []
-        self.autocast = bool(autocast_dtypes())
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -177,8 +172,6 @@ class _OpTracker(_Tracker):
         seg = _Segment(start_bytes=self.live_bytes)
         self.peak_bytes = self.live_bytes
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.autocast and func is torch.ops.aten._to_copy.default and self._is_weight(args[0]):
-            self.cast_cache.append(out)
         seg.peak_above_start_bytes = self.peak_bytes - seg.start_bytes
         self.fwd.append(seg)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -187,20 +180,6 @@ class _OpTracker(_Tracker):
             self.views.add(i)
         self.pending.append((i, [weakref.ref(t) for t in outs]))
         return out
-
-    def _is_weight(self, t: Any) -> bool:
-        """A parameter: what autocast caches the casts of (leaves that require grad)."""
-        rec = self.lookup(t) if isinstance(t, torch.Tensor) else None
-        return rec is not None and rec.phase == "ext" and t.requires_grad and t.is_leaf
-
-    def release_casts(self) -> None:
-        """The forward ends: autocast's cache lets go of its copies. Autograd saved most of
-        them, so they outlive this run; a region saves nothing, and then the cache was what
-        held them to here (``Tensor.freed_after``, simulate's Rule 1)."""
-        for t in self.cast_cache:
-            if (rec := self.lookup(t)) is not None:
-                self.died_at.setdefault(id(rec), len(self.names) - 1)
-        self.cast_cache.clear()
 
     def claim_pending(self) -> None:
         """Map the grad_fns autograd attached to earlier ops' outputs to those ops."""
@@ -366,7 +345,7 @@ def eager_graph(
                     out = model(*call_args, **call_kwargs)
                     with loss_on_fake_tensors():
                         loss = training_loss(out, loss_fn, fake_batch, warn=True)
-                    tracker.release_casts()  # as autocast's exit clears its cache
+                    tracker.release_casts(len(tracker.names) - 1)
             except data_dependent_errors() as e:
                 where = tracker.failed_in
                 kind = None if where is None else type(model.get_submodule(where)).__name__

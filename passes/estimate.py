@@ -51,6 +51,9 @@ from planner.passes.op_timing import (
 )
 from planner.passes.step import (
     StepTime,
+    amp_backward,
+    amp_forward,
+    autocast_dtypes,
     data_dependent_error,
     data_dependent_errors,
     join_input,
@@ -126,10 +129,33 @@ class _Tracker(TorchDispatchMode):
         self.state_written: dict[int, dict[int, int]] = defaultdict(dict)
         # node -> how many storages its forward had allocated at its last save for backward
         self.allocated_at_last_save: dict[int, int] = {}
+        # autocast's weight copies, held to the end of forward as autocast's cache holds them
+        # (the cache may skip fake tensors, so the pricing run holds them here)
+        self.cast_cache: list[torch.Tensor] = []
+        self.autocast = bool(autocast_dtypes())
+        self.died_at: dict[int, int] = {}  # id(storage record) -> node it outlived in forward
+        self.casts: set[int] = set()  # id(storage record) of the copies autocast cached
+
+    def _is_weight(self, t: Any) -> bool:
+        """A parameter: what autocast caches the casts of (leaves that require grad)."""
+        rec = self.lookup(t) if _is_tensor(t) else None
+        return rec is not None and rec.phase == "ext" and t.requires_grad and t.is_leaf
+
+    def release_casts(self, last_node: int) -> None:
+        """The forward ends, and autocast's cache lets go of its copies. Autograd saved most of
+        them, so they outlive this run; in a region, which saves nothing, the cache was what
+        held them to here (``Tensor.freed_after``, simulate's Rule 1)."""
+        for t in self.cast_cache:
+            if (rec := self.lookup(t)) is not None:
+                self.died_at.setdefault(id(rec), last_node)
+                self.casts.add(id(rec))
+        self.cast_cache.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.autocast and func is torch.ops.aten._to_copy.default and self._is_weight(args[0]):
+            self.cast_cache.append(out)
         where = (self.phase, self.node)
         formula = flop_registry.get(func._overloadpacket)
         flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
@@ -448,7 +474,9 @@ def estimate(
         _sdpa_kernel(sdpa_backend),
         mode,
         tracker,
+        contextlib.ExitStack() as forward,
     ):
+        forward.enter_context(amp_forward())  # to the loss (passes/step.py)
         try:
             out = step.run(*flat, enable_io_processing=False)
         except data_dependent_errors() as e:
@@ -481,9 +509,12 @@ def estimate(
             loss_rec.held_to_end = True  # the caller holds the loss through backward
         step.claim_grad_fns(loss, last)
         del out
+        tracker.release_casts(last)
+        forward.close()
         tracker.phase = "bwd"
         on_backward_node(last)
-        loss.backward()
+        with amp_backward():
+            loss.backward()
         close_backward_segment()
         del loss
 
@@ -616,7 +647,7 @@ def _build(
     index = {n: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
     tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
-        tracker, [n.name for n in nodes]
+        tracker, [n.name for n in nodes], tracker.died_at
     )
     attention = _attention_nodes(nodes, index, step, seq_lens)
     skips = _skip_nodes(nodes, index, step)
@@ -704,6 +735,7 @@ def storage_records(
     for i in range(len(names)):
         for rec in tracker.allocated.get(("fwd", i), []):
             survived = rec.alive or rec.users or rec.saved_by or rec.is_output or rec.held_to_end
+            survived = survived or id(rec) in tracker.casts  # the cache held it
             if not survived:
                 continue
             recs.append(rec)
