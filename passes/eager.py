@@ -21,8 +21,10 @@ Module calls: every submodule's ``forward`` is wrapped during the run (an instan
 removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what
 ``planner/inplace.py`` will checkpoint. Not candidates (``EagerGraph.refused`` says why): modules
 called more than once per step (a region is every call of a module, and the plans here price
-one), calls under ``torch.no_grad``, spans whose ops write model buffers (BatchNorm running
-statistics would be updated again by recomputation), and spans an in-place write crosses.
+one), calls under ``torch.no_grad``, spans that write state other than the module's own buffers,
+and spans an in-place write crosses. Spans that write their own buffers (BatchNorm running
+statistics) are candidates: ``EagerGraph.state_buffers`` names the buffers, which an applied
+region's recomputation runs on copies of, so they are updated once per step.
 """
 
 from __future__ import annotations
@@ -54,7 +56,21 @@ from planner.passes.estimate import (
     storage_records,
     with_measured_times,
 )
-from planner.passes.step import LossFn, StepTime, floating_leaves, split_input, training_loss
+from planner.passes.step import (
+    LossFn,
+    StepTime,
+    amp_backward,
+    amp_forward,
+    data_dependent_error,
+    data_dependent_errors,
+    floating_leaves,
+    join_input,
+    loss_on_fake_tensors,
+    model_input,
+    precision_text,
+    split_input,
+    training_loss,
+)
 from planner.solvers.costgraph import CostGraph, Node
 from planner.solvers.cuts import forbidden_cuts
 
@@ -79,6 +95,9 @@ class EagerGraph:
     refused: dict[str, str]
     module_types: dict[str, str]
     module_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # candidate path -> the buffers its forward writes (BatchNorm statistics), relative to it:
+    # an applied region runs its recomputations on copies of them (``planner/inplace.py``)
+    state_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def op_sequence(self, start: int, stop: int) -> list[str]:
         """The overloads a selective-checkpoint policy sees in nodes [start, stop), in order."""
@@ -120,6 +139,7 @@ class _OpTracker(_Tracker):
         self.saves: list[_Save] = []
         self.segments = BackwardSegments(self)
         self.died_at: dict[int, int] = {}  # id(storage record) -> op running when it died
+        self.failed_in: str | None = None  # the innermost module a failing forward ran
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -256,6 +276,10 @@ class _CallRecorder(ForwardWrapper):
         tracker.path_stack.append(self.path)
         try:
             return self.run_original(module, *args, **kwargs)
+        except Exception:
+            if tracker.failed_in is None:  # the innermost module running when it failed
+                tracker.failed_in = self.path
+            raise
         finally:
             tracker.path_stack.pop()
             self.calls[self.path].append((start, len(tracker.names), grad))
@@ -298,6 +322,8 @@ def eager_graph(
     state.update({k: _to_fake(mode, v) for k, v in model.named_buffers(remove_duplicate=False)})
     fake_args = [_to_fake(mode, a) for a in args]
     fake_kwargs = {k: _to_fake(mode, v) for k, v in kwargs.items()}
+    fake_batch = join_input(example_input, tuple(fake_args), fake_kwargs)
+    call_args, call_kwargs = model_input(model, fake_batch, loss_fn)
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
     device = device or torch.device("cpu")
     if time_ops and device.type == "meta":
@@ -314,8 +340,16 @@ def eager_graph(
     ):
         tracker.recording = True
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-            out = model(*fake_args, **fake_kwargs)
-            loss = training_loss(out, loss_fn)
+            try:
+                with amp_forward():
+                    out = model(*call_args, **call_kwargs)
+                    with loss_on_fake_tensors():
+                        loss = training_loss(out, loss_fn, fake_batch, warn=True)
+                    tracker.release_casts(len(tracker.names) - 1)
+            except data_dependent_errors() as e:
+                where = tracker.failed_in
+                kind = None if where is None else type(model.get_submodule(where)).__name__
+                raise data_dependent_error(where, kind, e) from e
         tracker.claim_pending()
         tracker.recording = False
         if not tracker.names:
@@ -328,18 +362,27 @@ def eager_graph(
         del out
         tracker.phase = "bwd"
         tracker.segments.enter(len(tracker.names) - 1)
-        loss.backward()
+        with amp_backward():
+            loss.backward()
         tracker.segments.close()
         del loss
     tracker.resolve_saves()
+    buffer_of = {
+        id(rec): name
+        for name in dict(model.named_buffers(remove_duplicate=False))
+        if (rec := tracker.lookup(state[name])) is not None
+    }
+    # node -> the model state it writes, by buffer name (None: state that is no buffer)
+    written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
 
     seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
     rates = rates or profile_of(device)
     graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
     graph = replace(graph, **device_fields(device, rates))
+    graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time)
-    return _candidates(model, graph, calls)
+    return _candidates(model, graph, calls, written)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -417,11 +460,15 @@ def _skips(tracker: _OpTracker) -> set[int]:
 
 
 def _candidates(
-    model: torch.nn.Module, graph: CostGraph, calls: dict[str, list[tuple[int, int, bool]]]
+    model: torch.nn.Module,
+    graph: CostGraph,
+    calls: dict[str, list[tuple[int, int, bool]]],
+    written: dict[int, set[str | None]],
 ) -> EagerGraph:
     forbidden = forbidden_cuts(graph)
     spans: dict[tuple[int, int], str] = {}
     refused: dict[str, str] = {}
+    state: dict[str, tuple[str, ...]] = {}
     for path, _ in model.named_modules():  # parents first: a shared span keeps the outermost
         made = calls.get(path, [])
         if len(made) != 1:
@@ -431,14 +478,19 @@ def _candidates(
         start, stop, grad = made[0]
         if stop == start:
             continue
+        names = set().union(*(written.get(i, ()) for i in range(start, stop)))
+        prefix = f"{path}." if path else ""
         if not grad:
             refused[path] = "runs under torch.no_grad()"
-        elif any(graph.nodes[i].state_bytes for i in range(start, stop)):
-            refused[path] = "writes model buffers in forward (BatchNorm running statistics)"
+        elif None in names or not all(n.startswith(prefix) for n in names):  # type: ignore[union-attr]
+            # recomputation could not run on copies of state outside the module's own buffers
+            refused[path] = "writes state in forward that is not its own buffers"
         elif start in forbidden or stop in forbidden:
             refused[path] = "an in-place write crosses its boundary"
         else:
             spans.setdefault((start, stop), path)
+            if names:  # BatchNorm statistics: updated once, recomputed on copies (Rule 9)
+                state[path] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
     types = {path: type(m).__name__ for path, m in model.named_modules()}
     once = {path: made[0][:2] for path, made in calls.items() if len(made) == 1}
     return EagerGraph(
@@ -447,4 +499,5 @@ def _candidates(
         refused=refused,
         module_types=types,
         module_spans=once,
+        state_buffers=state,
     )

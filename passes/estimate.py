@@ -49,7 +49,18 @@ from planner.passes.op_timing import (
     op_call,
     time_calls,
 )
-from planner.passes.step import StepTime, training_loss
+from planner.passes.step import (
+    StepTime,
+    amp_backward,
+    amp_forward,
+    autocast_dtypes,
+    data_dependent_error,
+    data_dependent_errors,
+    join_input,
+    loss_on_fake_tensors,
+    split_input,
+    training_loss,
+)
 from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -118,10 +129,33 @@ class _Tracker(TorchDispatchMode):
         self.state_written: dict[int, dict[int, int]] = defaultdict(dict)
         # node -> how many storages its forward had allocated at its last save for backward
         self.allocated_at_last_save: dict[int, int] = {}
+        # autocast's weight copies, held to the end of forward as autocast's cache holds them
+        # (the cache may skip fake tensors, so the pricing run holds them here)
+        self.cast_cache: list[torch.Tensor] = []
+        self.autocast = bool(autocast_dtypes())
+        self.died_at: dict[int, int] = {}  # id(storage record) -> node it outlived in forward
+        self.casts: set[int] = set()  # id(storage record) of the copies autocast cached
+
+    def _is_weight(self, t: Any) -> bool:
+        """A parameter: what autocast caches the casts of (leaves that require grad)."""
+        rec = self.lookup(t) if _is_tensor(t) else None
+        return rec is not None and rec.phase == "ext" and t.requires_grad and t.is_leaf
+
+    def release_casts(self, last_node: int) -> None:
+        """The forward ends, and autocast's cache lets go of its copies. Autograd saved most of
+        them, so they outlive this run; in a region, which saves nothing, the cache was what
+        held them to here (``Tensor.freed_after``, simulate's Rule 1)."""
+        for t in self.cast_cache:
+            if (rec := self.lookup(t)) is not None:
+                self.died_at.setdefault(id(rec), last_node)
+                self.casts.add(id(rec))
+        self.cast_cache.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.autocast and func is torch.ops.aten._to_copy.default and self._is_weight(args[0]):
+            self.cast_cache.append(out)
         where = (self.phase, self.node)
         formula = flop_registry.get(func._overloadpacket)
         flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
@@ -385,6 +419,7 @@ def estimate(
     rates: DeviceProfile | tuple[float, float] | None = None,
     time_ops: bool = False,
     step_time: StepTime | None = None,
+    batch: Any = None,
 ) -> CostGraph:
     """Price one forward+loss+backward step of ``gm`` on fake tensors (see module docstring).
 
@@ -398,6 +433,8 @@ def estimate(
     cannot run on random tensors; ``Node.fwd_time_s`` / ``bwd_time_s`` then hold them.
     ``step_time``: with ``time_ops``, the real step of ``gm`` measured on the device
     (``planner.measurement.time_step``); node times are fitted to add up to it.
+    ``batch``: the whole example input, for a ``loss_fn(output, batch)`` (it may hold labels
+    that ``args``/``kwargs``, what ``gm`` takes, leave out; None: ``args``/``kwargs``).
     """
     kwargs = kwargs or {}
     nodes = compute_nodes(gm)
@@ -408,6 +445,14 @@ def estimate(
     state = {k: _to_fake(mode, v) for k, v in gm.named_parameters(remove_duplicate=False)}
     state.update({k: _to_fake(mode, v) for k, v in gm.named_buffers(remove_duplicate=False)})
     flat = [_to_fake(mode, x) for x in _flatten_inputs(gm, args, kwargs)]
+    if batch is None:
+        batch = dict(kwargs) if kwargs else tuple(args)
+    batch_args, batch_kwargs = split_input(batch)
+    fake_batch = join_input(
+        batch,
+        tuple(_to_fake(mode, a) for a in batch_args),
+        {k: _to_fake(mode, v) for k, v in batch_kwargs.items()},
+    )
 
     device = _device_of(gm, flat)
     if time_ops and device.type == "meta":
@@ -416,7 +461,7 @@ def estimate(
             "price a meta model by a device profile (rates=...) instead"
         )
     tracker = _Tracker(record_calls=time_ops)
-    for t in [*state.values(), *flat]:
+    for t in [*state.values(), *flat, *tree_leaves(fake_batch)]:
         tracker.register_external(t)
     step = _Step(gm, tracker, index, mode)
     segments = BackwardSegments(tracker)
@@ -429,9 +474,16 @@ def estimate(
         _sdpa_kernel(sdpa_backend),
         mode,
         tracker,
+        contextlib.ExitStack() as forward,
     ):
+        forward.enter_context(amp_forward())  # to the loss (passes/step.py)
         try:
             out = step.run(*flat, enable_io_processing=False)
+        except data_dependent_errors() as e:
+            node = nodes[tracker.node] if 0 <= tracker.node < len(nodes) else None
+            where = None if node is None else module_path(node)
+            kind = None if node is None else _module_type(node).rsplit(".", 1)[-1] or None
+            raise data_dependent_error("" if where is None else where, kind, e) from e
         except Exception as e:
             if sdpa_backend is None:
                 raise
@@ -450,15 +502,19 @@ def estimate(
         loss_seg = _Segment(start_bytes=tracker.live_bytes)
         tracker.peak_bytes = tracker.live_bytes
         with torch.autograd.graph.saved_tensors_hooks(step._pack, _unpack):
-            loss = training_loss(out, loss_fn)
+            with loss_on_fake_tensors():
+                loss = training_loss(out, loss_fn, fake_batch, warn=True)
         loss_seg.peak_above_start_bytes = tracker.peak_bytes - loss_seg.start_bytes
         if (loss_rec := tracker.lookup(loss)) is not None and loss_rec.node >= 0:
             loss_rec.held_to_end = True  # the caller holds the loss through backward
         step.claim_grad_fns(loss, last)
         del out
+        tracker.release_casts(last)
+        forward.close()
         tracker.phase = "bwd"
         on_backward_node(last)
-        loss.backward()
+        with amp_backward():
+            loss.backward()
         close_backward_segment()
         del loss
 
@@ -591,7 +647,7 @@ def _build(
     index = {n: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
     tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
-        tracker, [n.name for n in nodes]
+        tracker, [n.name for n in nodes], tracker.died_at
     )
     attention = _attention_nodes(nodes, index, step, seq_lens)
     skips = _skip_nodes(nodes, index, step)
@@ -679,6 +735,7 @@ def storage_records(
     for i in range(len(names)):
         for rec in tracker.allocated.get(("fwd", i), []):
             survived = rec.alive or rec.users or rec.saved_by or rec.is_output or rec.held_to_end
+            survived = survived or id(rec) in tracker.casts  # the cache held it
             if not survived:
                 continue
             recs.append(rec)

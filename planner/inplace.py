@@ -29,11 +29,13 @@ import hashlib
 import json
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -47,6 +49,7 @@ from planner.measurement import measured_step_time
 from planner.offload import offloaded_call
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
+from planner.passes.rewrite import _outside_selective_checkpointing
 from planner.passes.step import LossFn
 from planner.plan_file import FORMAT, VERSION, _checksum, read_plan_body
 from planner.solvers.costgraph import CostGraph, Schedule
@@ -72,6 +75,8 @@ class ModuleRegion:
     depth: int = 0
     keeps: tuple[tuple[str, int], ...] = ()
     ops: tuple[str, ...] = ()
+    # buffers its forward writes (BatchNorm statistics), relative to it: recomputed on copies
+    state_buffers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,10 @@ class InplacePlan:
     schedule: Schedule | None = field(default=None, repr=False)
     simulation: Simulation | None = field(default=None, repr=False)
     solve_time_s: float = field(default=0.0, repr=False)
+    # (name, shape) of every parameter: a plan never applies to a model of other widths
+    # (empty: a file saved before they were recorded, not checked)
+    parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
+    precision: str = ""  # the dtypes it was priced in (passes/step.py precision_text)
 
     form = FORM
 
@@ -120,7 +129,14 @@ class InplacePlan:
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model``'s own region modules in place; returns the same object."""
-        check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")
+        check_fits(
+            model,
+            self.model_class,
+            self.module_tree,
+            self.module_regions,
+            "the plan",
+            self.parameter_shapes,
+        )
         return apply_regions(model, self.module_regions, self)
 
     def summary(self, verbose: bool = False) -> str:
@@ -137,6 +153,10 @@ class InplacePlan:
 
 def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple((path, type(m).__name__) for path, m in model.named_modules())
+
+
+def parameter_shapes(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
 def check_span_solver(solver: str) -> None:
@@ -209,6 +229,7 @@ def build_inplace_plan(
                 depth=r.depth,
                 keeps=tuple(eg.op_key(i, r.start) for i in saved),
                 ops=tuple(eg.op_sequence(r.start, r.stop)),
+                state_buffers=eg.state_buffers.get(path, ()),
             )
         )
     return InplacePlan(
@@ -216,6 +237,8 @@ def build_inplace_plan(
         module_regions=tuple(module_regions),
         model_class=type(model).__name__,
         module_tree=module_tree(model),
+        parameter_shapes=parameter_shapes(model),
+        precision=eg.graph.meta.get("precision", ""),
         solve_time_s=solve_time_s,
         **predictions(graph, schedule, simulation, budget_bytes),
     )
@@ -314,6 +337,8 @@ class _RegionForward(ForwardWrapper):
         kind = self.region.kind
         if kind == "offload":
             return offloaded_call(body, module, *args)
+        if self.region.state_buffers:
+            body = _updating_once(module, self.region.state_buffers, body)
         if kind != "selective":
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
         policy = _Policy(self)
@@ -338,6 +363,29 @@ class _RegionForward(ForwardWrapper):
                 f"takes the same path you train with.",
                 stacklevel=3,
             )
+
+
+def _updating_once(
+    module: torch.nn.Module, names: tuple[str, ...], body: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``body``, but every call after the first (checkpoint's recomputations) runs on fresh
+    copies of the values ``names`` (buffers of ``module``) held before the step, so BatchNorm
+    statistics are updated once and the recomputed outputs are the same bits (as
+    ``passes/rewrite.py`` ``CheckpointRegion._once``; simulate's Rule 9 prices the copies)."""
+    before = {n: module.get_buffer(n).detach().clone() for n in names}
+    calls = 0
+
+    def run(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return body(*args)
+        with _outside_selective_checkpointing():  # bookkeeping, not ops of the region
+            fresh = {n: v.clone() for n, v in before.items()}
+        with _reparametrize_module(module, fresh):
+            return body(*args)
+
+    return run
 
 
 def apply_regions(
@@ -377,9 +425,11 @@ def check_fits(
     tree: tuple[tuple[str, str], ...],
     regions: tuple[ModuleRegion, ...],
     source: str,
+    shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> None:
     """PlanFileError naming the first way ``model`` differs from the one ``source`` was made
-    for: its class, a region's module path or class, then any module of the tree."""
+    for: its class, a region's module path or class, any module of the tree, then the first
+    parameter whose shape differs (``shapes``; empty: not checked)."""
     fix = "Plan this model with planner.plan(..., form='inplace') and save that plan."
     if type(model).__name__ != model_class:
         raise PlanFileError(
@@ -409,6 +459,26 @@ def check_fits(
         raise PlanFileError(
             f"{source}'s module tree has {len(tree)} modules, this model {len(ours)}. {fix}"
         )
+    if shapes:
+        _check_shapes(model, shapes, source, fix)
+
+
+def _check_shapes(
+    model: torch.nn.Module, shapes: tuple[tuple[str, tuple[int, ...]], ...], source: str, fix: str
+) -> None:
+    # The same module tree at another width prices other bytes: the plan would not hold.
+    ours = dict(parameter_shapes(model))
+    for name, shape in shapes:
+        here = ours.pop(name, None)
+        if here != shape:
+            this = "does not have it" if here is None else f"has {list(here)}"
+            raise PlanFileError(
+                f"{source} was made for parameter {name!r} of shape {list(shape)}, this model "
+                f"{this}. {fix}"
+            )
+    if ours:
+        name = next(iter(ours))
+        raise PlanFileError(f"{source} was made for a model without parameter {name!r}. {fix}")
 
 
 # --------------------------------------------------------------------------- plan files
@@ -427,6 +497,8 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
         "model_class": plan.model_class,
         "fingerprint": _tree_hash(plan.module_tree),
         "module_tree": [list(m) for m in plan.module_tree],
+        "parameter_shapes": [[name, list(shape)] for name, shape in plan.parameter_shapes],
+        "precision": plan.precision,
         "solver": plan.solver,
         "budget_bytes": plan.budget_bytes,
         "regions": [
@@ -436,6 +508,7 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
                 "depth": m.depth,
                 "keeps": [list(k) for k in m.keeps],
                 "ops": list(m.ops),
+                "state_buffers": list(m.state_buffers),
                 "nodes": list(r.nodes),
                 "saved_nodes": list(r.saved_nodes),
             }
@@ -473,6 +546,7 @@ def load_inplace(path: str | Path) -> InplacePlan:
                 depth=int(r["depth"]),
                 keeps=tuple((str(op), int(k)) for op, k in r["keeps"]),
                 ops=tuple(str(op) for op in r["ops"]),
+                state_buffers=tuple(str(b) for b in r.get("state_buffers", ())),
             )
             module_regions.append(m)
             nodes, saved = tuple(map(str, r["nodes"])), tuple(map(str, r["saved_nodes"]))
@@ -489,6 +563,11 @@ def load_inplace(path: str | Path) -> InplacePlan:
             step_flops=int(pred["step_flops"]),
             model_class=str(body["model_class"]),
             module_tree=tree,
+            parameter_shapes=tuple(
+                (str(name), tuple(int(d) for d in shape))
+                for name, shape in body.get("parameter_shapes", ())
+            ),
+            precision=str(body.get("precision", "")),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(
@@ -500,5 +579,12 @@ def load_inplace(path: str | Path) -> InplacePlan:
 def apply_plan_file(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """``planner.apply_plan(model, path)``: check the file fits ``model``, then wrap in place."""
     plan = load_inplace(path)
-    check_fits(model, plan.model_class, plan.module_tree, plan.module_regions, str(path))
+    check_fits(
+        model,
+        plan.model_class,
+        plan.module_tree,
+        plan.module_regions,
+        str(path),
+        plan.parameter_shapes,
+    )
     return apply_regions(model, plan.module_regions, plan)

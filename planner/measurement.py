@@ -49,7 +49,16 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from planner.passes.step import LossFn, StepTime, call, split_input, training_loss
+from planner.passes.step import (
+    LossFn,
+    StepTime,
+    amp_backward,
+    amp_forward,
+    call,
+    split_input,
+    taken_input,
+    training_loss,
+)
 
 METHODS = ("auto", "tracker", "cuda", "profiler")
 
@@ -120,7 +129,10 @@ def measure(
 
 
 def _step(module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None) -> None:
-    training_loss(call(module, example_input), loss_fn).backward()
+    with amp_forward():
+        loss = training_loss(call(module, example_input, loss_fn), loss_fn, example_input)
+    with amp_backward():
+        loss.backward()
 
 
 def time_step(
@@ -209,6 +221,7 @@ class _CheckpointedWhole(torch.nn.Module):
         self.selective = selective
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = taken_input(self.inner, args, kwargs)
         if self.selective:
             kwargs["context_fn"] = functools.partial(
                 create_selective_checkpoint_contexts, _recompute_every_op
@@ -230,10 +243,12 @@ def _timed_steps(
         _clear_grads(module)
         _sync(device)
         start_s = time.perf_counter()
-        loss = training_loss(call(module, example_input), loss_fn)
+        with amp_forward():
+            loss = training_loss(call(module, example_input, loss_fn), loss_fn, example_input)
         _sync(device)
         backward_start_s = time.perf_counter()
-        loss.backward()
+        with amp_backward():
+            loss.backward()
         del loss
         _sync(device)
         forward_s.append(backward_start_s - start_s)
@@ -358,14 +373,16 @@ def _tracked_step(
     tracker = _LiveStorageTracker(_baseline_tensors(module, example_input))
     try:
         with tracker:
-            output = call(module, example_input)
-            tracker.phase = "loss"
-            loss = training_loss(output, loss_fn)
-            del output  # whatever backward needs, autograd keeps alive
+            with amp_forward():
+                output = call(module, example_input, loss_fn)
+                tracker.phase = "loss"
+                loss = training_loss(output, loss_fn, example_input)
+                del output  # whatever backward needs, autograd keeps alive
             tracker.mark("loss:end")
             saved_bytes = tracker.live_bytes - loss.untyped_storage().nbytes()
             tracker.phase = "backward"
-            loss.backward()
+            with amp_backward():
+                loss.backward()
             del loss
             tracker.mark("backward:end")
     finally:
@@ -450,16 +467,18 @@ def _cuda_step(
     torch.cuda.reset_peak_memory_stats(device)
     log = _AllocatedLog(device, base_bytes)
     with log:
-        output = call(module, example_input)
-        log.phase = "loss"
-        loss = training_loss(output, loss_fn)
-        del output
+        with amp_forward():
+            output = call(module, example_input, loss_fn)
+            log.phase = "loss"
+            loss = training_loss(output, loss_fn, example_input)
+            del output
         log.log("loss:end")
         # the caching allocator rounds every block up to 512 bytes
         loss_bytes = -(-loss.untyped_storage().nbytes() // 512) * 512
         saved_bytes = torch.cuda.memory_allocated(device) - base_bytes - loss_bytes
         log.phase = "backward"
-        loss.backward()
+        with amp_backward():
+            loss.backward()
         del loss
         log.log("backward:end")
     torch.cuda.synchronize(device)
@@ -481,13 +500,14 @@ def _profiled_step(
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, profile_memory=True) as prof:
-        with record_function("planner::forward"):
-            output = call(module, example_input)
-        with record_function("planner::loss"):
-            loss = training_loss(output, loss_fn)
-            del output
+        with amp_forward():
+            with record_function("planner::forward"):
+                output = call(module, example_input, loss_fn)
+            with record_function("planner::loss"):
+                loss = training_loss(output, loss_fn, example_input)
+                del output
         loss_bytes = loss.untyped_storage().nbytes()
-        with record_function("planner::backward"):
+        with record_function("planner::backward"), amp_backward():
             loss.backward()
             del loss
         _sync(device)

@@ -40,7 +40,7 @@ from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
-from planner.passes.step import LossFn
+from planner.passes.step import LossFn, join_input, model_input, takes_batch
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
 from planner.solvers.costgraph import (
@@ -237,7 +237,11 @@ def price(
     profile = None if device is None else device_profile(device)
     check_trainable(model)
     on_step("capture")
-    captured = capture(model, example_input)
+    # what the model takes of the batch (a loss_fn(output, batch) may read labels it does not)
+    taken = example_input
+    if takes_batch(loss_fn):
+        taken = join_input(example_input, *model_input(model, example_input, loss_fn))
+    captured = capture(model, taken)
     on_step("estimate")
     # On the device itself, time the graph's own ops there; elsewhere (the meta device, or a
     # profile asked for) the roofline with the profile's rates is all there is.
@@ -251,6 +255,7 @@ def price(
         rates=profile,
         time_ops=time_ops,
         step_time=measured_step_time(captured.module, example_input, loss_fn) if time_ops else None,
+        batch=example_input,
     )
     return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
 

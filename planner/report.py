@@ -206,6 +206,8 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         + (f" + offload {format_ms(sim.offload_time_s)}" if sim.offload_bytes else "")
         + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
+    if graph.meta.get("precision"):  # the dtypes it was priced in: plan as you train
+        lines.append(f"priced in {graph.meta['precision']}")
     if plan.regions:
         lines.append(
             f"{len(plan.regions)} regions keep {format_bytes(freed_bytes)} less for backward "

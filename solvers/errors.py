@@ -66,3 +66,8 @@ class CheckpointingConflictError(PlannerError):
     """Another activation checkpointing (Hugging Face's ``gradient_checkpointing_enable``) was
     turned on for a model that a planner plan already checkpoints (the message says which way
     to go)."""
+
+
+class LossFallbackWarning(UserWarning):
+    """Planning found no loss (no ``loss_fn``, no ``.loss`` in the output) and differentiates the
+    sum of the model's floating outputs instead."""

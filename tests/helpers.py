@@ -9,12 +9,18 @@ import torch
 from planner.passes.step import call, training_loss
 
 
-def step(module: torch.nn.Module, example_input: Any, params: list[torch.nn.Parameter], seed=0):
+def step(
+    module: torch.nn.Module,
+    example_input: Any,
+    params: list[torch.nn.Parameter],
+    seed=0,
+    loss_fn=None,
+):
     """Loss and parameter gradients of one seeded step (grads cleared first)."""
     for p in params:
         p.grad = None
     torch.manual_seed(seed)
-    loss = training_loss(call(module, example_input))
+    loss = training_loss(call(module, example_input, loss_fn), loss_fn, example_input)
     loss.backward()
     grads = [None if p.grad is None else p.grad.clone() for p in params]
     for p in params:
@@ -35,13 +41,13 @@ def assert_same_step(model, module, example_input, seed: int = 0) -> None:
             assert torch.equal(ga, gb), f"gradient of {name} differs: {(ga - gb).abs().max()}"
 
 
-def assert_same_step_copy(reference, model, example_input, seed: int = 0) -> None:
+def assert_same_step_copy(reference, model, example_input, seed: int = 0, loss_fn=None) -> None:
     """``model`` (its own parameters, equal in value to ``reference``'s: a copy, or the same
     weights built again) gives bitwise the loss and every gradient ``reference`` gives."""
     names = [n for n, p in reference.named_parameters() if p.requires_grad]
     assert names == [n for n, p in model.named_parameters() if p.requires_grad]
-    loss_a, grads_a = step(reference, example_input, _trained(reference), seed)
-    loss_b, grads_b = step(model, example_input, _trained(model), seed)
+    loss_a, grads_a = step(reference, example_input, _trained(reference), seed, loss_fn)
+    loss_b, grads_b = step(model, example_input, _trained(model), seed, loss_fn)
     assert torch.equal(loss_a, loss_b), (loss_a.item(), loss_b.item())
     for name, ga, gb in zip(names, grads_a, grads_b):
         assert (ga is None) == (gb is None), name

@@ -1,0 +1,348 @@
+"""The user's own training stack (issue 24): a loss that reads the batch's labels, clear errors
+for what planning on fake tensors cannot follow, plan files that refuse a model of other
+shapes."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import planner
+from planner.solvers.errors import UnsupportedModelError
+from tests.helpers import assert_same_step_copy
+
+
+class _Classifier(nn.Module):
+    """Residual MLP blocks and a head: a forward that takes only the features."""
+
+    def __init__(self, width: int = 32, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(blocks)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _classifier_batch(width: int = 32, seed: int = 0):
+    torch.manual_seed(seed)
+    model = _Classifier(width)
+    batch = {"x": torch.randn(64, width), "labels": torch.randint(0, 10, (64,))}
+    return model, batch
+
+
+def _cross_entropy(output: torch.Tensor, batch: dict) -> torch.Tensor:
+    return F.cross_entropy(output, batch["labels"])
+
+
+def _least_bytes(model, batch, form, loss_fn) -> int:
+    with pytest.raises(planner.InfeasibleBudgetError) as e:
+        planner.plan(model, batch, 1e-9, form=form, loss_fn=loss_fn, device="cpu")
+    return e.value.min_bytes
+
+
+# --------------------------------------------------------------------------- a step with labels
+
+
+@pytest.mark.parametrize("form", ["inplace", "graph"])
+def test_a_loss_of_output_and_batch_is_priced_measured_and_trains_alike(form):
+    """loss_fn(output, batch) with the labels in the example input: the model gets what its
+    forward takes, the loss the whole batch; priced on fake tensors, measured for real."""
+    model, batch = _classifier_batch()
+    reference = copy.deepcopy(model)
+    eager_bytes = planner.measure(model, batch, _cross_entropy).peak_bytes
+    least = _least_bytes(model, batch, form, _cross_entropy)
+    assert least < eager_bytes
+    for budget in (least + (eager_bytes - least) // 3, (least + eager_bytes) // 2):
+        p = planner.plan(
+            model, batch, budget / 1e9, form=form, loss_fn=_cross_entropy, device="cpu"
+        )
+        assert p.regions and p.baseline_peak_bytes == eager_bytes
+        planned = p.apply(copy.deepcopy(model)) if form == "inplace" else p.module
+        measured = planner.measure(planned, batch, _cross_entropy).peak_bytes
+        assert measured <= p.predicted_peak_bytes <= budget
+        if form == "inplace":  # priced on what eager runs: exact
+            assert measured == p.predicted_peak_bytes
+        else:  # the graph form prices the exported graph, on the safe side
+            assert p.predicted_peak_bytes <= 1.01 * measured
+        assert_same_step_copy(reference, planned, batch, loss_fn=_cross_entropy)
+
+
+def test_a_tuple_batch_gives_the_model_the_features_and_the_loss_the_labels():
+    model, batch = _classifier_batch()
+    pair = (batch["x"], batch["labels"])
+
+    def loss_fn(output, b):
+        return F.cross_entropy(output, b[1])
+
+    p = planner.plan(model, pair, 1.0, form="inplace", loss_fn=loss_fn, solver="none", device="cpu")
+    assert p.baseline_peak_bytes == planner.measure(model, pair, loss_fn).peak_bytes
+
+
+@pytest.mark.parametrize("form", ["inplace", "graph"])
+def test_labels_held_from_outside_the_batch_say_how_to_pass_them(form):
+    model, batch = _classifier_batch()
+    labels = batch["labels"]
+    with pytest.raises(UnsupportedModelError, match=r"Put the labels in the example input"):
+        planner.plan(
+            model,
+            batch["x"],
+            1.0,
+            form=form,
+            loss_fn=lambda out: F.cross_entropy(out, labels),
+            device="cpu",
+        )
+
+
+# --------------------------------------------------------------------------- clear errors
+
+
+class _Gate(nn.Module):
+    """Branches on a value, or reads one with .item()."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.how == "if":
+            return h * 2 if h.sum() > 0 else h
+        return h * x.abs().max().item()
+
+
+@pytest.mark.parametrize("how", ["if", "item"])
+def test_data_dependent_control_flow_names_the_module_and_the_fix(how):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(_Gate(how), nn.ReLU()), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    fix = r"module '1\.0' \(_Gate\) reads a tensor's value .* Fix: .*torch\.where"
+    with pytest.raises(UnsupportedModelError, match=fix):
+        planner.plan(model, x, 1.0, form="inplace", device="cpu")
+    if how == "item":  # a branch stops torch.export itself (a CaptureError saying so)
+        with pytest.raises(UnsupportedModelError, match=fix):
+            planner.plan(model, x, 1.0, form="graph", device="cpu")
+
+
+def _loss_warnings(fn) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if w.category is planner.LossFallbackWarning]
+
+
+@pytest.mark.parametrize("form", ["inplace", "graph"])
+def test_a_loss_that_falls_back_to_the_sum_of_outputs_says_so_once(form):
+    model, batch = _classifier_batch()
+    x = batch["x"]
+
+    def plan(**kw):
+        return planner.plan(model, x, 1.0, form=form, solver="none", device="cpu", **kw)
+
+    (message,) = _loss_warnings(plan)
+    assert "holds no loss" in message and "loss_fn=" in message
+    assert _loss_warnings(lambda: plan(loss_fn=lambda out: out.logsumexp(-1).mean())) == []
+
+
+def test_an_hf_output_without_loss_says_the_batch_has_no_labels():
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class _LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.head(self.embed(input_ids))
+            loss = (
+                None if labels is None else F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            )
+            return CausalLMOutput(loss=loss, logits=logits)
+
+    ids = torch.randint(0, 16, (2, 8))
+    plan = functools.partial(planner.plan, _LM(), mem_budget_gb=1.0, form="inplace", device="cpu")
+    (message,) = _loss_warnings(lambda: plan(example_input={"input_ids": ids}))
+    assert "CausalLMOutput.loss is None" in message and "labels" in message
+    assert _loss_warnings(lambda: plan(example_input={"input_ids": ids, "labels": ids})) == []
+
+
+# --------------------------------------------------------------------------- plan files
+
+
+def test_a_plan_refuses_a_model_whose_parameter_shapes_differ(tmp_path):
+    model, batch = _classifier_batch(width=32)
+    wider, _ = _classifier_batch(width=64)  # the same module tree, other widths
+    p = planner.plan(model, batch, 1.0, form="inplace", loss_fn=_cross_entropy, device="cpu")
+    path = tmp_path / "plan.json"
+    p.save(path)
+    first = r"parameter 'blocks\.0\.0\.weight' of shape \[128, 32\], this model has \[256, 64\]"
+    with pytest.raises(planner.PlanFileError, match=first):
+        planner.apply_plan(wider, path)
+    with pytest.raises(planner.PlanFileError, match=first):
+        p.apply(wider)
+    assert planner.apply_plan(model, path) is model
+
+
+def test_a_plan_file_saved_before_parameter_shapes_still_applies(tmp_path):
+    import json
+
+    from planner.plan_file import _checksum
+
+    model, batch = _classifier_batch()
+    wider, _ = _classifier_batch(width=64)
+    path = tmp_path / "plan.json"
+    planner.plan(model, batch, 1.0, form="inplace", loss_fn=_cross_entropy, device="cpu").save(path)
+    body = json.loads(path.read_text())
+    del body["checksum"], body["parameter_shapes"]
+    body["checksum"] = _checksum(body)
+    path.write_text(json.dumps(body))
+    assert planner.apply_plan(model, path) is model
+    assert planner.apply_plan(wider, path) is wider  # no shapes recorded: not checked
+
+
+# --------------------------------------------------------------------------- BatchNorm in place
+
+
+class _BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock: BatchNorm, in-place ReLU, in-place residual add."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+class _ResNet(nn.Module):
+    def __init__(self, channels: int = 8, blocks: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(inplace=True),
+        )
+        self.layers = nn.Sequential(*(_BasicBlock(channels) for _ in range(blocks)))
+        self.fc = nn.Linear(channels, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layers(self.stem(x)).mean(dim=(2, 3)))
+
+
+def _assert_trains_alike_with_statistics(reference, planned, x, steps: int = 2) -> None:
+    """Bitwise the same loss, gradients and BatchNorm statistics, step after step: each
+    statistic updated exactly once per step (num_batches_tracked counts the steps)."""
+    counts = {n: b.item() for n, b in planned.named_buffers() if n.endswith("batches_tracked")}
+    assert counts
+    for _ in range(steps):
+        assert_same_step_copy(reference, planned, x)
+    for (name, a), b in zip(reference.named_buffers(), planned.buffers()):
+        assert torch.equal(a, b), f"buffer {name} differs"
+        if name in counts:
+            assert b.item() == counts[name] + steps, name
+
+
+def _bn_paths(model) -> set[str]:
+    return {path for path, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+
+
+def test_a_resnet_with_batchnorm_and_in_place_relu_plans_below_half_of_eager(tmp_path):
+    torch.manual_seed(0)
+    model, x = _ResNet(), torch.randn(4, 3, 16, 16)
+    reference = copy.deepcopy(model)
+    eager_bytes = planner.measure(model, x).peak_bytes
+    budget = eager_bytes // 2
+    p = planner.plan(model, x, budget / 1e9, form="inplace", device="cpu")
+    regions = {r.name for r in p.regions}
+    # regions hold BatchNorm modules (whole blocks: the in-place ReLU ties a BN to its block)
+    assert any(any(bn.startswith(f"{r}.") for bn in _bn_paths(model)) for r in regions)
+    planned = p.apply(copy.deepcopy(model))
+    measured = planner.measure(planned, x).peak_bytes
+    assert measured == p.predicted_peak_bytes <= budget
+    _assert_trains_alike_with_statistics(reference, planned, x)
+    path = tmp_path / "plan.json"
+    p.save(path)  # the statistics a region writes travel in the file
+    from_file = planner.apply_plan(copy.deepcopy(reference), path)
+    _assert_trains_alike_with_statistics(copy.deepcopy(reference), from_file, x, steps=1)
+
+
+def test_the_unet_plans_below_eager_in_place_with_batchnorm_regions():
+    """The U-Net's skips and concatenations live in the root's own forward, which in place
+    cannot be a region: its least feasible plan is what module regions (every conv-BN-ReLU
+    among them) reach."""
+    from tests.models_zoo import small_unet_example
+
+    model, x = small_unet_example()
+    reference = copy.deepcopy(model)
+    eager_bytes = planner.measure(model, x).peak_bytes
+    least = _least_bytes(model, x, "inplace", None)
+    assert least < 0.9 * eager_bytes
+    p = planner.plan(model, x, least / 1e9, form="inplace", device="cpu")
+    assert {r.name for r in p.regions} & {bn.rsplit(".", 1)[0] for bn in _bn_paths(model)}
+    planned = p.apply(copy.deepcopy(model))
+    assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= least
+    _assert_trains_alike_with_statistics(reference, planned, x)
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def _bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def test_a_plan_made_inside_autocast_prices_the_amp_step_it_measures(tmp_path):
+    """Inside torch.autocast the step is the AMP recipe's: forward and loss under a fresh
+    autocast context (its cached bf16 weight copies die with it, unless backward holds them),
+    backward outside. Priced as measured, at budgets from the least feasible to eager."""
+    model, batch = _classifier_batch()
+    with _bf16_autocast():
+        eager_bytes = planner.measure(model, batch, _cross_entropy).peak_bytes
+        least = _least_bytes(model, batch, "inplace", _cross_entropy)
+        for budget in (least, (least + eager_bytes) // 2, eager_bytes):
+            p = planner.plan(
+                model, batch, budget / 1e9, form="inplace", loss_fn=_cross_entropy, device="cpu"
+            )
+            assert p.baseline_peak_bytes == eager_bytes
+            planned = p.apply(copy.deepcopy(model))
+            measured = planner.measure(planned, batch, _cross_entropy).peak_bytes
+            assert measured <= p.predicted_peak_bytes <= min(budget, 1.01 * measured)
+    assert "autocast cpu bfloat16" in p.summary() and "parameters float32" in p.summary()
+    path = tmp_path / "plan.json"
+    p.save(path)
+    assert '"precision": "parameters float32; autocast cpu bfloat16"' in path.read_text()
+
+
+def test_a_bf16_model_is_priced_in_bf16():
+    model, batch = _classifier_batch()
+    model = model.to(torch.bfloat16)
+    batch["x"] = batch["x"].to(torch.bfloat16)
+    eager_bytes = planner.measure(model, batch, _cross_entropy).peak_bytes
+    least = _least_bytes(model, batch, "inplace", _cross_entropy)
+    budget = (least + eager_bytes) // 2
+    p = planner.plan(
+        model, batch, budget / 1e9, form="inplace", loss_fn=_cross_entropy, device="cpu"
+    )
+    assert p.baseline_peak_bytes == eager_bytes
+    measured = planner.measure(p.apply(copy.deepcopy(model)), batch, _cross_entropy).peak_bytes
+    assert measured == p.predicted_peak_bytes <= budget
+    assert "priced in parameters bfloat16" in p.summary()
