@@ -15,6 +15,15 @@ the ops: MUST_SAVE for the planned keeps, PREFER_RECOMPUTE otherwise. Nothing de
 so any batch and sequence length runs (plan at the largest you train: memory grows with shape).
 If a call's op sequence differs from the planned one (data-dependent control flow), the rest of
 that call recomputes everything and a warning names the module once.
+
+Under ``torch.compile`` the same decisions reach AOT autograd's partitioner: dynamo turns a
+checkpoint's ``context_fn`` into a Python constant, which a policy object holding run-time
+state is not (it graph-broke twice per region and ran the region eager). So while dynamo traces,
+the context function is ``functools.partial(_traced_contexts, key)``, a plain function and an
+int, and the policy it builds when AOT autograd replays the region is the eager one, looked up
+by that key: the partitioner sees the planned ops as MUST_SAVE. Divergence is then detected at
+compile time (once per compilation, not per call), and a region that runs fewer ops than
+planned is not noticed there.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import functools
 import hashlib
 import json
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,6 +283,22 @@ class _Policy:
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# key -> the wrappers whose decisions a traced context function stands for. Weak: compiled code
+# outliving a removed plan must not keep its model alive. Keyed by the decisions, not the
+# wrapper: blocks planned alike share one key, so torch.compile per block compiles them once
+# (a key per wrapper would fail dynamo's guard on each block: a recompile each, up to dynamo's
+# recompile limit, past which it runs eager).
+_TRACED: defaultdict[int, weakref.WeakSet[_RegionForward]] = defaultdict(weakref.WeakSet)
+_TRACED_KEYS: dict[tuple[tuple[str, ...], tuple[CheckpointPolicy, ...]], int] = {}
+
+
+def _traced_contexts(key: int) -> Any:
+    """A selective region's checkpoint contexts, as torch.compile builds them: dynamo keeps this
+    function and ``key`` as constants, AOT autograd calls it while it traces the region."""
+    wrapper = next(iter(_TRACED[key]))  # alive: dynamo is tracing one
+    return create_selective_checkpoint_contexts(_Policy(wrapper))
+
+
 class _RegionForward(ForwardWrapper):
     """A region module's forward: checkpointed while training with grad, plain otherwise."""
 
@@ -285,9 +311,21 @@ class _RegionForward(ForwardWrapper):
             occurrences[op] += 1
             decisions.append(CheckpointPolicy.MUST_SAVE if keep else _RECOMPUTE)
         self.decisions = tuple(decisions)
+        self.register()
         # the overload seen at each position, once its name matched the plan's
         self.funcs: list[Any] = [None] * len(region.ops)
         self.warned = False
+
+    def register(self) -> None:
+        """Give this wrapper's decisions the key a traced context function names them by."""
+        self.key = _TRACED_KEYS.setdefault((self.region.ops, self.decisions), len(_TRACED_KEYS))
+        _TRACED[self.key].add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy(model) and pickling copy the wrapper: the copy must be found by its key
+        # in this process even once the original is gone
+        self.__dict__.update(state)
+        self.register()
 
     def expects(self, i: int, func: Any) -> bool:
         """Whether ``func`` is the planned op at position ``i`` of the forward."""
@@ -309,6 +347,14 @@ class _RegionForward(ForwardWrapper):
             return offloaded_call(body, module, *args)
         if kind != "selective":
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
+        if torch.compiler.is_compiling():
+            return checkpoint(
+                body,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=functools.partial(_traced_contexts, self.key),
+            )
         policy = _Policy(self)
         out = checkpoint(
             body,
