@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from planner.comparison import Comparison, compare
     from planner.devices import DeviceProfile
     from planner.fsdp import FSDPConfig
+    from planner.guard import (
+        OverShapeWarning,
+        PlannedShape,
+        PredictionExceededWarning,
+        Verification,
+        verify,
+    )
     from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
@@ -39,6 +46,13 @@ _PUBLIC = {
     "planner.comparison": ("Comparison", "compare"),
     "planner.devices": ("DeviceProfile",),
     "planner.fsdp": ("FSDPConfig",),
+    "planner.guard": (
+        "OverShapeWarning",
+        "PlannedShape",
+        "PredictionExceededWarning",
+        "Verification",
+        "verify",
+    ),
     "planner.inplace": ("InplacePlan", "remove"),
     "planner.measurement": ("Measurement", "measure"),
     "planner.planning": ("Plan", "apply_plan", "plan"),
@@ -67,16 +81,21 @@ __all__ = [
     "InplacePlan",
     "InvalidBudgetError",
     "Measurement",
+    "OverShapeWarning",
     "Plan",
     "PlanFileError",
+    "PlannedShape",
     "PlannerError",
+    "PredictionExceededWarning",
     "RecomputeCapError",
     "Region",
     "UnsupportedModelError",
+    "Verification",
     "apply_plan",
     "compare",
     "fit_batch",
     "measure",
     "plan",
     "remove",
+    "verify",
 ]

@@ -196,7 +196,7 @@ def _priced(
 
         def solve(**solver_opts: Any) -> InplacePlan:
             schedule = get_solver(solver)(eg.graph, cap_bytes, **solver_opts)
-            return build_inplace_plan(model, eg, schedule, cap_bytes)
+            return build_inplace_plan(model, eg, schedule, cap_bytes, example_input=example_input)
 
         return eg.graph, solve
     priced = price(model, example_input, loss_fn=loss_fn, device=profile)

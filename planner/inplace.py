@@ -47,6 +47,7 @@ from torch.utils.checkpoint import (
 
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig, per_rank
+from planner.guard import PlannedShape, install_guard, planned_shape, remove_guard
 from planner.measurement import measured_step_time
 from planner.offload import offloaded_call
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
@@ -101,6 +102,9 @@ class InplacePlan:
     schedule: Schedule | None = field(default=None, repr=False)
     simulation: Simulation | None = field(default=None, repr=False)
     solve_time_s: float = field(default=0.0, repr=False)
+    # the example input's shape and how the peak scales off it (planner/guard.py); None for a
+    # plan built without an example input or read from a file saved before plans recorded it
+    planned_shape: PlannedShape | None = field(default=None, repr=False)
 
     form = FORM
 
@@ -123,9 +127,13 @@ class InplacePlan:
         return 0.0 if self.simulation is None else self.simulation.step_time_s
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``model``'s own region modules in place; returns the same object."""
+        """Wrap ``model``'s own region modules in place; returns the same object. The model
+        warns once (``planner.OverShapeWarning``) when called with a larger input than
+        planned."""
         check_fits(model, self.model_class, self.module_tree, self.module_regions, "the plan")
-        return apply_regions(model, self.module_regions)
+        apply_regions(model, self.module_regions)
+        install_guard(model, self.planned_shape, self.budget_bytes)
+        return model
 
     def summary(self, verbose: bool = False) -> str:
         """A table of the regions and the predicted memory and recompute cost (``verbose``:
@@ -189,7 +197,10 @@ def build_inplace_plan(
     budget_bytes: int,
     *,
     solve_time_s: float = 0.0,
+    example_input: Any = None,
 ) -> InplacePlan:
+    """The plan for ``schedule``; ``example_input``: the input it was priced on, recorded so
+    that the applied model can tell a larger one (planner/guard.py)."""
     graph = eg.graph
     simulation = simulate(graph, schedule)  # validates: regions are module spans
     regions, module_regions = [], []
@@ -220,6 +231,11 @@ def build_inplace_plan(
         model_class=type(model).__name__,
         module_tree=module_tree(model),
         solve_time_s=solve_time_s,
+        planned_shape=(
+            None
+            if example_input is None
+            else planned_shape(example_input, graph, simulation.peak_bytes)
+        ),
         **predictions(graph, schedule, simulation, budget_bytes),
     )
 
@@ -388,7 +404,9 @@ def apply_regions(model: torch.nn.Module, regions: tuple[ModuleRegion, ...]) -> 
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo an applied plan: every wrapped module runs its own forward again. Same object."""
+    """Undo an applied plan: every wrapped module runs its own forward again, and the shape
+    guard is gone. Same object."""
+    remove_guard(model)
     for module in model.modules():
         own = module.__dict__.get("forward")
         wrapper = getattr(own, "__func__", None)
@@ -473,6 +491,12 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
             "recompute_flops": plan.predicted_recompute_flops,
             "step_flops": plan.step_flops,
         },
+        "planned_shape": None if (shape := plan.planned_shape) is None else {
+            "shape": list(shape.shape),
+            "predicted_peak_bytes": shape.predicted_peak_bytes,
+            "fixed_bytes": shape.fixed_bytes,
+            "attention_share": shape.attention_share,
+        },
     }
     body["checksum"] = _checksum(body)
     Path(path).write_text(json.dumps(body, indent=1) + "\n")
@@ -504,6 +528,14 @@ def load_inplace(path: str | Path) -> InplacePlan:
             nodes, saved = tuple(map(str, r["nodes"])), tuple(map(str, r["saved_nodes"]))
             regions.append(Region(m.path, nodes, m.depth, m.kind, saved))
         pred = body["predictions"]
+        shape = body.get("planned_shape")  # absent from files saved before it was recorded
+        if shape is not None:
+            shape = PlannedShape(
+                shape=tuple(int(d) for d in shape["shape"]),
+                predicted_peak_bytes=int(shape["predicted_peak_bytes"]),
+                fixed_bytes=int(shape["fixed_bytes"]),
+                attention_share=float(shape["attention_share"]),
+            )
         return InplacePlan(
             solver=str(body["solver"]),
             regions=tuple(regions),
@@ -515,6 +547,7 @@ def load_inplace(path: str | Path) -> InplacePlan:
             step_flops=int(pred["step_flops"]),
             model_class=str(body["model_class"]),
             module_tree=tree,
+            planned_shape=shape,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(
@@ -527,4 +560,6 @@ def apply_plan_file(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
     """``planner.apply_plan(model, path)``: check the file fits ``model``, then wrap in place."""
     plan = load_inplace(path)
     check_fits(model, plan.model_class, plan.module_tree, plan.module_regions, str(path))
-    return apply_regions(model, plan.module_regions)
+    apply_regions(model, plan.module_regions)
+    install_guard(model, plan.planned_shape, plan.budget_bytes)
+    return model
