@@ -20,10 +20,13 @@ Under ``torch.compile`` the same decisions reach AOT autograd's partitioner: dyn
 checkpoint's ``context_fn`` into a Python constant, which a policy object holding run-time
 state is not (it graph-broke twice per region and ran the region eager). So while dynamo traces,
 the context function is ``functools.partial(_traced_contexts, key)``, a plain function and an
-int, and the policy it builds when AOT autograd replays the region is the eager one, looked up
-by that key: the partitioner sees the planned ops as MUST_SAVE. Divergence is then detected at
-compile time (once per compilation, not per call), and a region that runs fewer ops than
-planned is not noticed there.
+int, and the policy it builds when AOT autograd replays the region is the eager one (by
+position), looked up by that key: the partitioner sees the planned ops as MUST_SAVE. AOT
+autograd's trace names some ops otherwise than eager dispatch (``_traced_ops``: functional for
+in-place, ``view`` for ``_unsafe_view``, one ``native_dropout`` for eager CPU's four dropout
+ops), so the planned sequence is translated first. Divergence is then detected at compile time
+(once per compilation, not per call), and a region that runs fewer ops than planned is not
+noticed there.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import json
 import warnings
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +315,62 @@ def _traced_contexts(key: int) -> Any:
     """A selective region's checkpoint contexts, as torch.compile builds them: dynamo keeps this
     function and ``key`` as constants, AOT autograd calls it while it traces the region."""
     wrapper = next(iter(_TRACED[key]))  # alive: dynamo is tracing one
-    return create_selective_checkpoint_contexts(_Policy(wrapper))
+    return create_selective_checkpoint_contexts(_Policy(_TracedDecisions(wrapper)))
+
+
+# Eager CPU dropout (training) dispatches these four; AOT autograd's trace one native_dropout.
+_EAGER_DROPOUT = (
+    "aten.empty_like.default",
+    "aten.bernoulli_.float",
+    "aten.div_.Scalar",
+    "aten.mul.Tensor",
+)
+_NATIVE_DROPOUT = "aten.native_dropout.default"
+
+
+def _traced_name(op: str) -> str:
+    """An op's name as AOT autograd's functionalized trace dispatches it."""
+    parts = op.split(".")
+    if len(parts) == 3:
+        name = parts[1]
+        if name == "_unsafe_view":
+            name = "view"
+        elif name.endswith("_") and not name.endswith("__"):
+            name = name[:-1]  # functionalization: add_ -> add
+        parts[1] = name
+    return ".".join(parts)
+
+
+def _traced_ops(
+    ops: tuple[str, ...], decisions: tuple[CheckpointPolicy, ...]
+) -> tuple[tuple[str, ...], tuple[CheckpointPolicy, ...]]:
+    """The planned sequence and decisions as AOT autograd's trace sees the region's ops."""
+    names, kept = [], []
+    i = 0
+    while i < len(ops):
+        if ops[i : i + len(_EAGER_DROPOUT)] == _EAGER_DROPOUT:
+            step = len(_EAGER_DROPOUT)
+            names.append(_NATIVE_DROPOUT)
+            kept.append(decisions[i + step - 1])  # the dropout's output is the mul's
+        else:
+            step = 1
+            names.append(_traced_name(ops[i]))
+            kept.append(decisions[i])
+        i += step
+    return tuple(names), tuple(kept)
+
+
+class _TracedDecisions:
+    """A region's planned ops and decisions as AOT autograd's trace sees them (``_Policy``
+    asks it as it asks the eager wrapper); divergence warns through the wrapper, once."""
+
+    def __init__(self, wrapper: _RegionForward) -> None:
+        ops, self.decisions = _traced_ops(wrapper.region.ops, wrapper.decisions)
+        self.region = replace(wrapper.region, ops=ops)
+        self.diverged = wrapper.diverged
+
+    def expects(self, i: int, func: Any) -> bool:
+        return i < len(self.region.ops) and _traced_name(str(func)) == self.region.ops[i]
 
 
 class _RegionForward(ForwardWrapper):
@@ -491,7 +549,9 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
             "recompute_flops": plan.predicted_recompute_flops,
             "step_flops": plan.step_flops,
         },
-        "planned_shape": None if (shape := plan.planned_shape) is None else {
+        "planned_shape": None
+        if (shape := plan.planned_shape) is None
+        else {
             "shape": list(shape.shape),
             "predicted_peak_bytes": shape.predicted_peak_bytes,
             "fixed_bytes": shape.fixed_bytes,
