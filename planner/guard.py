@@ -5,8 +5,9 @@
   and ``planner.apply_plan(model, path)`` put a forward pre-hook on the model that warns once
   (``OverShapeWarning``) when a call's largest input tensor has a larger batch (its first
   dimension) or more elements per row (tokens, pixels) than planned: memory grows with the
-  shape, so such a call may exceed the budget. The warning gives both shapes and the predicted
-  peak scaled to the new shape (``PlannedShape.predicted_peak_at``, an approximation it names).
+  shape, so such a training call (grad enabled, ``model.training``) may exceed the budget. The
+  warning gives both shapes and the predicted peak scaled to the new shape
+  (``PlannedShape.predicted_peak_at``, an approximation it names).
   While dynamo traces a whole-model ``torch.compile`` the hook does nothing (a warning there
   would break the graph); per-block compile keeps it.
 - **``planner.verify(model, batch)``** runs a real training step of the applied model through
@@ -147,6 +148,8 @@ class ShapeGuard:
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling() or self.warned:
             return None
+        if not (torch.is_grad_enabled() and module.training):
+            return None  # evaluation and generation keep no activations for backward
         shape = _largest_shape((args, kwargs))
         if shape is None or not self.shape.exceeded_by(shape):
             return None

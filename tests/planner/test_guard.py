@@ -14,6 +14,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 import planner
 from planner.guard import PlannedShape, guard_of
@@ -43,6 +44,11 @@ def test_a_larger_batch_warns_once_with_both_shapes_and_the_scaled_peak():
         warnings.simplefilter("error")  # the planned shape and smaller ones: silent
         for batch in (tokens(), tokens(batch=2), tokens(length=32)):
             model(**batch)
+        with torch.no_grad():  # no activations kept for backward: any shape, silent
+            model(**tokens(batch=8))
+        model.eval()
+        model(**tokens(batch=8))
+        model.train()
     at_8 = 2 * p.predicted_peak_bytes
     with pytest.warns(planner.OverShapeWarning) as caught:
         v = planner.verify(model, tokens(batch=8))
