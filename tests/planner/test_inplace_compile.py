@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
 import warnings
 from typing import Any
 
@@ -24,50 +23,11 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import CheckpointPolicy
 
 import planner
+from benchmarks.compiled_inplace import gpt2, llama, tokens
 from planner.inplace import ModuleRegion, apply_regions
 from tests.helpers import assert_same_step_copy, step
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # tiny configs only
-
 pytestmark = pytest.mark.slow
-
-VOCAB, PAD = 128, 0
-BATCH, SEQ = 4, 64
-
-
-def llama(seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).train()
-
-
-def gpt2(seed: int = 0) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=64, n_layer=4, n_head=2, use_cache=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(cfg).train()
-    model.loss_type = "ForCausalLM"  # unset, transformers logs a warning dynamo graph-breaks on
-    return model
-
-
-def tokens(length: int = SEQ, batch: int = BATCH, pad_last: int = SEQ // 8) -> dict:
-    """Token ids with the last row right-padded (mask 0, label -100)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    ids[-1, -pad_last:] = PAD
-    mask[-1, -pad_last:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 @functools.cache
