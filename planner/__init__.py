@@ -33,6 +33,13 @@ if TYPE_CHECKING:
     from planner.devices import DeviceProfile
     from planner.fsdp import FSDPConfig
     from planner.hf_checkpointing import applied_plan
+    from planner.guard import (
+        OverShapeWarning,
+        PlannedShape,
+        PredictionExceededWarning,
+        Verification,
+        verify,
+    )
     from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
@@ -46,6 +53,13 @@ _PUBLIC = {
     "planner.devices": ("DeviceProfile",),
     "planner.hf_checkpointing": ("applied_plan",),
     "planner.fsdp": ("FSDPConfig",),
+    "planner.guard": (
+        "OverShapeWarning",
+        "PlannedShape",
+        "PredictionExceededWarning",
+        "Verification",
+        "verify",
+    ),
     "planner.inplace": ("InplacePlan", "remove"),
     "planner.measurement": ("Measurement", "measure"),
     "planner.planning": ("Plan", "apply_plan", "plan"),
@@ -77,13 +91,17 @@ __all__ = [
     "InvalidBudgetError",
     "LossFallbackWarning",
     "Measurement",
+    "OverShapeWarning",
     "Plan",
     "PlanFileError",
+    "PlannedShape",
     "PlannerError",
+    "PredictionExceededWarning",
     "RecomputeCapError",
     "Region",
     "UnsupportedModelError",
     "applied_plan",
+    "Verification",
     "apply_plan",
     "compare",
     "device_fit",
@@ -92,4 +110,5 @@ __all__ = [
     "plan",
     "remove",
     "step_budget_gb",
+    "verify",
 ]

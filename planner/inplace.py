@@ -20,6 +20,18 @@ Applying records the plan on the model (``planner.applied_plan(model)``) and kee
 Face's own gradient checkpointing out of its way (``planner/hf_checkpointing.py``): turned off
 when the plan is applied, refused while it is; ``remove`` undoes both. Training-loop callbacks
 that apply a plan and log its peak: ``planner/integrations/``.
+
+Under ``torch.compile`` the same decisions reach AOT autograd's partitioner: dynamo turns a
+checkpoint's ``context_fn`` into a Python constant, which a policy object holding run-time
+state is not (it graph-broke twice per region and ran the region eager). So while dynamo traces,
+the context function is ``functools.partial(_traced_contexts, key)``, a plain function and an
+int, and the policy it builds when AOT autograd replays the region is the eager one (by
+position), looked up by that key: the partitioner sees the planned ops as MUST_SAVE. AOT
+autograd's trace names some ops otherwise than eager dispatch (``_traced_ops``: functional for
+in-place, ``view`` for ``_unsafe_view``, one ``native_dropout`` for eager CPU's four dropout
+ops), so the planned sequence is translated first. Divergence is then detected at compile time
+(once per compilation, not per call), and a region that runs fewer ops than planned is not
+noticed there.
 """
 
 from __future__ import annotations
@@ -28,9 +40,10 @@ import functools
 import hashlib
 import json
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +58,7 @@ from torch.utils.checkpoint import (
 from planner import hf_checkpointing
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig, per_rank
+from planner.guard import PlannedShape, install_guard, planned_shape, remove_guard
 from planner.measurement import measured_step_time
 from planner.offload import offloaded_call
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
@@ -106,6 +120,9 @@ class InplacePlan:
     # (empty: a file saved before they were recorded, not checked)
     parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
     precision: str = ""  # the dtypes it was priced in (passes/step.py precision_text)
+    # the example input's shape and how the peak scales off it (planner/guard.py); None for a
+    # plan built without an example input or read from a file saved before plans recorded it
+    planned_shape: PlannedShape | None = field(default=None, repr=False)
 
     form = FORM
 
@@ -128,7 +145,9 @@ class InplacePlan:
         return 0.0 if self.simulation is None else self.simulation.step_time_s
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``model``'s own region modules in place; returns the same object."""
+        """Wrap ``model``'s own region modules in place; returns the same object. The model
+        warns once (``planner.OverShapeWarning``) when called with a larger input than
+        planned."""
         check_fits(
             model,
             self.model_class,
@@ -137,7 +156,9 @@ class InplacePlan:
             "the plan",
             self.parameter_shapes,
         )
-        return apply_regions(model, self.module_regions, self)
+        apply_regions(model, self.module_regions, self)
+        install_guard(model, self.planned_shape, self.budget_bytes)
+        return model
 
     def summary(self, verbose: bool = False) -> str:
         """A table of the regions and the predicted memory and recompute cost (``verbose``:
@@ -206,7 +227,10 @@ def build_inplace_plan(
     budget_bytes: int,
     *,
     solve_time_s: float = 0.0,
+    example_input: Any = None,
 ) -> InplacePlan:
+    """The plan for ``schedule``; ``example_input``: the input it was priced on, recorded so
+    that the applied model can tell a larger one (planner/guard.py)."""
     graph = eg.graph
     simulation = simulate(graph, schedule)  # validates: regions are module spans
     regions, module_regions = [], []
@@ -240,6 +264,11 @@ def build_inplace_plan(
         parameter_shapes=parameter_shapes(model),
         precision=eg.graph.meta.get("precision", ""),
         solve_time_s=solve_time_s,
+        planned_shape=(
+            None
+            if example_input is None
+            else planned_shape(example_input, graph, simulation.peak_bytes)
+        ),
         **predictions(graph, schedule, simulation, budget_bytes),
     )
 
@@ -303,6 +332,77 @@ class _Policy:
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# key -> the wrappers whose decisions a traced context function stands for. Weak: compiled code
+# outliving a removed plan must not keep its model alive. Keyed by the decisions, not the
+# wrapper: blocks planned alike share one key, so torch.compile per block compiles them once
+# (a key per wrapper would fail dynamo's guard on each block: a recompile each, up to dynamo's
+# recompile limit, past which it runs eager).
+_TRACED: defaultdict[int, weakref.WeakSet[_RegionForward]] = defaultdict(weakref.WeakSet)
+_TRACED_KEYS: dict[tuple[tuple[str, ...], tuple[CheckpointPolicy, ...]], int] = {}
+
+
+def _traced_contexts(key: int) -> Any:
+    """A selective region's checkpoint contexts, as torch.compile builds them: dynamo keeps this
+    function and ``key`` as constants, AOT autograd calls it while it traces the region."""
+    wrapper = next(iter(_TRACED[key]))  # alive: dynamo is tracing one
+    return create_selective_checkpoint_contexts(_Policy(_TracedDecisions(wrapper)))
+
+
+# Eager CPU dropout (training) dispatches these four; AOT autograd's trace one native_dropout.
+_EAGER_DROPOUT = (
+    "aten.empty_like.default",
+    "aten.bernoulli_.float",
+    "aten.div_.Scalar",
+    "aten.mul.Tensor",
+)
+_NATIVE_DROPOUT = "aten.native_dropout.default"
+
+
+def _traced_name(op: str) -> str:
+    """An op's name as AOT autograd's functionalized trace dispatches it."""
+    parts = op.split(".")
+    if len(parts) == 3:
+        name = parts[1]
+        if name == "_unsafe_view":
+            name = "view"
+        elif name.endswith("_") and not name.endswith("__"):
+            name = name[:-1]  # functionalization: add_ -> add
+        parts[1] = name
+    return ".".join(parts)
+
+
+def _traced_ops(
+    ops: tuple[str, ...], decisions: tuple[CheckpointPolicy, ...]
+) -> tuple[tuple[str, ...], tuple[CheckpointPolicy, ...]]:
+    """The planned sequence and decisions as AOT autograd's trace sees the region's ops."""
+    names, kept = [], []
+    i = 0
+    while i < len(ops):
+        if ops[i : i + len(_EAGER_DROPOUT)] == _EAGER_DROPOUT:
+            step = len(_EAGER_DROPOUT)
+            names.append(_NATIVE_DROPOUT)
+            kept.append(decisions[i + step - 1])  # the dropout's output is the mul's
+        else:
+            step = 1
+            names.append(_traced_name(ops[i]))
+            kept.append(decisions[i])
+        i += step
+    return tuple(names), tuple(kept)
+
+
+class _TracedDecisions:
+    """A region's planned ops and decisions as AOT autograd's trace sees them (``_Policy``
+    asks it as it asks the eager wrapper); divergence warns through the wrapper, once."""
+
+    def __init__(self, wrapper: _RegionForward) -> None:
+        ops, self.decisions = _traced_ops(wrapper.region.ops, wrapper.decisions)
+        self.region = replace(wrapper.region, ops=ops)
+        self.diverged = wrapper.diverged
+
+    def expects(self, i: int, func: Any) -> bool:
+        return i < len(self.region.ops) and _traced_name(str(func)) == self.region.ops[i]
+
+
 class _RegionForward(ForwardWrapper):
     """A region module's forward: checkpointed while training with grad, plain otherwise."""
 
@@ -315,9 +415,21 @@ class _RegionForward(ForwardWrapper):
             occurrences[op] += 1
             decisions.append(CheckpointPolicy.MUST_SAVE if keep else _RECOMPUTE)
         self.decisions = tuple(decisions)
+        self.register()
         # the overload seen at each position, once its name matched the plan's
         self.funcs: list[Any] = [None] * len(region.ops)
         self.warned = False
+
+    def register(self) -> None:
+        """Give this wrapper's decisions the key a traced context function names them by."""
+        self.key = _TRACED_KEYS.setdefault((self.region.ops, self.decisions), len(_TRACED_KEYS))
+        _TRACED[self.key].add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy(model) and pickling copy the wrapper: the copy must be found by its key
+        # in this process even once the original is gone
+        self.__dict__.update(state)
+        self.register()
 
     def expects(self, i: int, func: Any) -> bool:
         """Whether ``func`` is the planned op at position ``i`` of the forward."""
@@ -341,6 +453,14 @@ class _RegionForward(ForwardWrapper):
             body = _updating_once(module, self.region.state_buffers, body)
         if kind != "selective":
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
+        if torch.compiler.is_compiling():
+            return checkpoint(
+                body,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=functools.partial(_traced_contexts, self.key),
+            )
         policy = _Policy(self)
         out = checkpoint(
             body,
@@ -405,7 +525,9 @@ def wrap_regions(model: torch.nn.Module, regions: tuple[ModuleRegion, ...]) -> N
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo an applied plan: every wrapped module runs its own forward again. Same object."""
+    """Undo an applied plan: every wrapped module runs its own forward again, and the shape
+    guard is gone. Same object."""
+    remove_guard(model)
     hf_checkpointing.unmark(model)
     unwrap_regions(model)
     return model
@@ -520,6 +642,14 @@ def save_inplace(plan: InplacePlan, path: str | Path) -> None:
             "recompute_flops": plan.predicted_recompute_flops,
             "step_flops": plan.step_flops,
         },
+        "planned_shape": None
+        if (shape := plan.planned_shape) is None
+        else {
+            "shape": list(shape.shape),
+            "predicted_peak_bytes": shape.predicted_peak_bytes,
+            "fixed_bytes": shape.fixed_bytes,
+            "attention_share": shape.attention_share,
+        },
     }
     body["checksum"] = _checksum(body)
     Path(path).write_text(json.dumps(body, indent=1) + "\n")
@@ -552,6 +682,14 @@ def load_inplace(path: str | Path) -> InplacePlan:
             nodes, saved = tuple(map(str, r["nodes"])), tuple(map(str, r["saved_nodes"]))
             regions.append(Region(m.path, nodes, m.depth, m.kind, saved))
         pred = body["predictions"]
+        shape = body.get("planned_shape")  # absent from files saved before it was recorded
+        if shape is not None:
+            shape = PlannedShape(
+                shape=tuple(int(d) for d in shape["shape"]),
+                predicted_peak_bytes=int(shape["predicted_peak_bytes"]),
+                fixed_bytes=int(shape["fixed_bytes"]),
+                attention_share=float(shape["attention_share"]),
+            )
         return InplacePlan(
             solver=str(body["solver"]),
             regions=tuple(regions),
@@ -568,6 +706,7 @@ def load_inplace(path: str | Path) -> InplacePlan:
                 for name, shape in body.get("parameter_shapes", ())
             ),
             precision=str(body.get("precision", "")),
+            planned_shape=shape,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(
@@ -587,4 +726,6 @@ def apply_plan_file(model: torch.nn.Module, path: str | Path) -> torch.nn.Module
         str(path),
         plan.parameter_shapes,
     )
-    return apply_regions(model, plan.module_regions, plan)
+    apply_regions(model, plan.module_regions, plan)
+    install_guard(model, plan.planned_shape, plan.budget_bytes)
+    return model

@@ -322,7 +322,14 @@ def plan(
             eg.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
         )
         solve_time_s = time.perf_counter() - start_s
-        return build_inplace_plan(model, eg, schedule, budget_bytes, solve_time_s=solve_time_s)
+        return build_inplace_plan(
+            model,
+            eg,
+            schedule,
+            budget_bytes,
+            solve_time_s=solve_time_s,
+            example_input=example_input,
+        )
     with hf_checkpointing.paused(model):  # priced as it runs under the plan
         priced = price(model, example_input, loss_fn=loss_fn, device=device)
     return priced.plan(

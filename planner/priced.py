@@ -50,6 +50,7 @@ class PricedInplace:
 
     model: torch.nn.Module
     eager: EagerGraph
+    example_input: Any = None  # the shape the applied plan guards (planner/guard.py)
 
     form = "inplace"
 
@@ -82,7 +83,12 @@ class PricedInplace:
         self, schedule: Schedule, budget_bytes: int, *, solve_time_s: float = 0.0
     ) -> InplacePlan:
         return build_inplace_plan(
-            self.model, self.eager, schedule, budget_bytes, solve_time_s=solve_time_s
+            self.model,
+            self.eager,
+            schedule,
+            budget_bytes,
+            solve_time_s=solve_time_s,
+            example_input=self.example_input,
         )
 
     def plan(
@@ -153,4 +159,4 @@ def price_form(
     check_trainable(model)
     on_step("estimate")  # one pass over the eager step: nothing is captured first
     eager = price_inplace(model, example_input, loss_fn, device=profile, fsdp=fsdp)
-    return PricedInplace(model, eager)
+    return PricedInplace(model, eager, example_input)

@@ -85,16 +85,11 @@ def make_plan(
 
     Planning runs real steps of ``model`` (timing) under ``fork_rng``, so the training's random
     stream (dropout, shuffling) is the same as without the callback."""
-    from planner.inplace import build_inplace_plan, check_span_solver, price_inplace
-    from planner.planning import budget_bytes_from_gb, check_trainable
-    from planner.solvers.costgraph import Schedule
-    from planner.solvers.registry import solve
-    from planner.solvers.simulate import simulate
+    from planner.planning import budget_bytes_from_gb, plan
+    from planner.priced import price_form
 
     with torch.random.fork_rng(devices=_cuda_devices(model)):
         if not isinstance(mem_budget_gb, str):
-            from planner.planning import plan
-
             return plan(
                 model,
                 example_input,
@@ -110,17 +105,10 @@ def make_plan(
                 f"a budget given as text is a share of the eager peak like '50%', got "
                 f"{mem_budget_gb!r}"
             )
-        fraction = float(text[:-1]) / 100
-        check_trainable(model)
-        check_span_solver(solver)
-        from planner.devices import device_profile
-
-        profile = None if device is None else device_profile(device)
-        eg = price_inplace(model, example_input, loss_fn, device=profile)
-        budget_bytes = round(fraction * simulate(eg.graph, Schedule()).peak_bytes)
+        priced = price_form(model, example_input, "inplace", loss_fn=loss_fn, device=device)
+        budget_bytes = round(float(text[:-1]) / 100 * priced.eager_peak_bytes)
         budget_bytes_from_gb(budget_bytes / GB)  # the same check of the number as plan()
-        schedule = solve(eg.graph, budget_bytes, solver, "time", None)
-        return build_inplace_plan(model, eg, schedule, budget_bytes)
+        return priced.plan(budget_bytes, solver)  # type: ignore[return-value]
 
 
 def _cuda_devices(model: torch.nn.Module) -> list[torch.device]:
