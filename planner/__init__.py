@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from planner.device_budget import DeviceFit, device_fit, step_budget_gb
     from planner.devices import DeviceProfile
     from planner.fsdp import FSDPConfig
-    from planner.hf_checkpointing import applied_plan
     from planner.guard import (
         OverShapeWarning,
         PlannedShape,
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
         Verification,
         verify,
     )
+    from planner.hf_checkpointing import applied_plan
     from planner.inplace import InplacePlan, remove
     from planner.measurement import Measurement, measure
     from planner.passes.rewrite import NamedRegion as Region
