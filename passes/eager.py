@@ -54,6 +54,7 @@ from planner.passes.estimate import (
     storage_records,
     with_measured_times,
 )
+from planner.passes.op_timing import Timer
 from planner.passes.step import LossFn, StepTime, floating_leaves, split_input, training_loss
 from planner.solvers.costgraph import CostGraph, Node
 from planner.solvers.cuts import forbidden_cuts
@@ -284,12 +285,14 @@ def eager_graph(
     rates: DeviceProfile | None = None,
     time_ops: bool = False,
     step_time: StepTime | None = None,
+    timer: Timer | None = None,
 ) -> EagerGraph:
     """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring).
 
     ``rates``: the device to price time for (None: the model's own, ``devices.profile_of``);
-    ``time_ops`` and ``step_time`` as for ``passes.estimate.estimate``: time the step's aten
-    calls on the model's real device, fitted to its measured step.
+    ``time_ops``, ``step_time`` and ``timer`` as for ``passes.estimate.estimate``: time the
+    step's aten calls on the model's real device (from ``timer``, a device's calibration),
+    fitted to its measured step if given.
     """
     args, kwargs = split_input(example_input)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -338,7 +341,7 @@ def eager_graph(
     graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
     graph = replace(graph, **device_fields(device, rates))
     if time_ops:
-        graph = with_measured_times(graph, tracker, device, rates, step_time)
+        graph = with_measured_times(graph, tracker, device, rates, step_time, timer)
     return _candidates(model, graph, calls)
 
 

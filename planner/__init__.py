@@ -25,6 +25,7 @@ from planner.solvers.errors import (
 
 if TYPE_CHECKING:
     from planner.batch_search import BatchFit, fit_batch
+    from planner.calibration import Calibration, CalibrationError
     from planner.comparison import Comparison, compare
     from planner.devices import DeviceProfile
     from planner.fsdp import FSDPConfig
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 # module -> the public names it defines, loaded on first use
 _PUBLIC = {
     "planner.batch_search": ("BatchFit", "fit_batch"),
+    "planner.calibration": ("Calibration", "CalibrationError"),
     "planner.comparison": ("Comparison", "compare"),
     "planner.devices": ("DeviceProfile",),
     "planner.fsdp": ("FSDPConfig",),
@@ -59,6 +61,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BatchFit",
+    "Calibration",
+    "CalibrationError",
     "CaptureError",
     "Comparison",
     "DeviceProfile",

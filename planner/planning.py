@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from planner.calibration import Calibration, CalibrationTimer, model_dtype
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
 from planner.inplace import (
@@ -36,7 +37,6 @@ from planner.inplace import (
     predictions,
     price_inplace,
 )
-from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
@@ -225,11 +225,13 @@ def price(
     loss_fn: LossFn | None = None,
     device: str | DeviceProfile | None = None,
     on_step: OnStep = _no_progress,
+    calibration: Calibration | str | Path | None = None,
 ) -> PricedModel:
     """Steps 1 and 2 of the pipeline: check the model, capture it, price one training step.
 
     ``device``: the device whose time to predict, a profile name (``"h100"``, ``"a100-80gb"``,
-    ``"a100-40gb"``, ``"cpu"``) or a ``planner.DeviceProfile``; None: the model's own device.
+    ``"a100-40gb"``, ``"cpu"``) or a ``planner.DeviceProfile``; None: the model's own device,
+    priced from its calibration (``planner/calibration.py``), or ``calibration`` when given.
     Raises ``UnsupportedModelError`` for a model with nothing to train or no loss to
     differentiate (pass ``loss_fn``), ``CaptureError`` when it cannot be captured.
     """
@@ -249,7 +251,7 @@ def price(
         loss_fn=loss_fn,
         rates=profile,
         time_ops=time_ops,
-        step_time=measured_step_time(captured.module, example_input, loss_fn) if time_ops else None,
+        timer=CalibrationTimer(model_dtype(model), calibration) if time_ops else None,
     )
     return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
 
@@ -266,6 +268,7 @@ def plan(
     fsdp: FSDPConfig | None = None,
     objective: Objective = "time",
     max_recompute_flops_fraction: float | None = None,
+    calibration: Calibration | str | Path | None = None,
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -307,14 +310,16 @@ def plan(
     if form == "inplace":
         check_trainable(model)
         check_span_solver(solver)
-        eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
+        eg = price_inplace(
+            model, example_input, loss_fn, device=device, fsdp=fsdp, calibration=calibration
+        )
         start_s = time.perf_counter()
         schedule = solve(
             eg.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
         )
         solve_time_s = time.perf_counter() - start_s
         return build_inplace_plan(model, eg, schedule, budget_bytes, solve_time_s=solve_time_s)
-    priced = price(model, example_input, loss_fn=loss_fn, device=device)
+    priced = price(model, example_input, loss_fn=loss_fn, device=device, calibration=calibration)
     return priced.plan(
         budget_bytes,
         solver,
