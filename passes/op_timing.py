@@ -104,6 +104,9 @@ _TIMES: dict[tuple[str, tuple], float | None] = {}
 # (as timeit advises): other processes only ever slow a run down, and a figure cached for the
 # whole process must not keep one moment's load.
 MIN_STRETCH_S = 1e-3
+# Calls slower than this are timed SLOW_REPEATS times in all (not ``repeats``).
+SLOW_CALL_S = 20e-3
+SLOW_REPEATS = 3
 
 
 def time_calls(
@@ -163,7 +166,11 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
             sync()
             once_s = time.perf_counter() - t0
             n = max(1, int(MIN_STRETCH_S / max(once_s, 1e-7)))
-            samples = []
+            samples = [once_s] if n == 1 else []
+            if once_s > SLOW_CALL_S:
+                # A large call (a big batch's matmul) varies little run to run: fewer repeats,
+                # the timed run above among them, keep a sweep over batch sizes short.
+                repeats = min(repeats, SLOW_REPEATS) - 1
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 for _ in range(n):

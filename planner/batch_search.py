@@ -8,7 +8,10 @@ fastest plan under the cap (solvers minimise predicted step time), and
 predicts its peak and step time; the winner has the most predicted samples per second.
 
 Every figure here is a prediction: peaks from ``solvers/simulate.py``, times from the step-time
-model (the graph's own ops timed on the model's device, or a device profile's roofline).
+model (the graph's own ops timed on the model's device, or a device profile's roofline). Every
+batch size is priced from the device's one calibration (``planner/calibration.py``): each size
+times only its calls on new shapes, and the figures do not follow the load of the moment from
+one size to the next. The sizes' solves share one time limit.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
+from planner.calibration import Calibration
 from planner.devices import DeviceProfile, device_profile
 from planner.inplace import InplacePlan, build_inplace_plan, check_span_solver, price_inplace
 from planner.passes.step import LossFn
@@ -27,7 +33,7 @@ from planner.planning import FORMS, Plan, budget_bytes_from_gb, price
 from planner.report import data_frame, format_bytes, format_ms, plain_text
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.registry import get_solver
+from planner.solvers.registry import SharedTimeLimit, default_time_limit_s, get_solver
 from planner.solvers.simulate import simulate
 
 if TYPE_CHECKING:
@@ -189,17 +195,18 @@ def _priced(
     loss_fn: LossFn | None,
     profile: DeviceProfile | None,
     form: str,
+    calibration: Calibration | str | Path | None = None,
 ) -> tuple[CostGraph, Callable[..., Plan | InplacePlan]]:
     """One batch size priced in ``form``, and how to plan it under the cap."""
     if form == "inplace":
-        eg = price_inplace(model, example_input, loss_fn, device=profile)
+        eg = price_inplace(model, example_input, loss_fn, device=profile, calibration=calibration)
 
         def solve(**solver_opts: Any) -> InplacePlan:
             schedule = get_solver(solver)(eg.graph, cap_bytes, **solver_opts)
             return build_inplace_plan(model, eg, schedule, cap_bytes)
 
         return eg.graph, solve
-    priced = price(model, example_input, loss_fn=loss_fn, device=profile)
+    priced = price(model, example_input, loss_fn=loss_fn, device=profile, calibration=calibration)
     return priced.graph, lambda **solver_opts: priced.plan(cap_bytes, solver, **solver_opts)
 
 
@@ -214,6 +221,8 @@ def fit_batch(
     loss_fn: LossFn | None = None,
     max_batch_size: int = MAX_BATCH_SIZE,
     form: str = "inplace",
+    calibration: Calibration | str | Path | None = None,
+    progress: bool = True,
     **solver_opts: Any,
 ) -> BatchFit:
     """Find the micro-batch size with the most predicted samples/s whose step fits the cap.
@@ -224,7 +233,11 @@ def fit_batch(
     step's peak, in decimal GB, as for ``planner.plan``. ``device``: whose time to predict, as
     for ``planner.plan`` (None: the model's own device, its ops timed there). ``form``: the
     plans' form, as for ``planner.plan``: "inplace" (apply the winner to your model with
-    ``fit.plan.apply(model)``) or "graph" (train ``fit.plan.module``).
+    ``fit.plan.apply(model)``) or "graph" (train ``fit.plan.module``). ``calibration``: as for
+    ``planner.plan``: pin the device calibration every size is priced with. ``time_limit_s``
+    (in ``solver_opts``): one limit for all the sizes' solves together (default the solver's
+    own), each size taking an equal share of what is left. ``progress``: a progress bar (shown
+    once the sweep takes more than a second).
 
     Raises ``InfeasibleBudgetError`` when no batch size tried fits, with the least budget of
     the smallest one.
@@ -245,8 +258,13 @@ def fit_batch(
     plans: dict[int, Plan | InplacePlan] = {}
     best: tuple[float, int] | None = None
     device_name = ""
-    for b in sizes:
-        graph, solve = _priced(model, make_input(b), cap_bytes, solver, loss_fn, profile, form)
+    limit = SharedTimeLimit.starting_now(default_time_limit_s(solver, solver_opts))
+    bar = tqdm(sizes, disable=not progress, delay=1.0, unit="size", desc="fit_batch")
+    for k, b in enumerate(bar):
+        bar.set_description(f"fit_batch: batch {b}")
+        graph, solve = _priced(
+            model, make_input(b), cap_bytes, solver, loss_fn, profile, form, calibration
+        )
         device_name = graph.meta.get("device", "") + (
             " (ops timed)" if graph.meta["timing"].startswith("ops timed") else " (roofline)"
         )
@@ -257,7 +275,7 @@ def fit_batch(
             eager_samples_per_s=b / eager_s,
         )
         try:
-            p = solve(**solver_opts)
+            p = solve(**{**solver_opts, "time_limit_s": limit.share_s(len(sizes) - k)})
         except InfeasibleBudgetError as e:
             rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
             if sweep:
@@ -280,6 +298,7 @@ def fit_batch(
         plans[b] = p
         if best is None or samples_per_s > best[0]:
             best = (samples_per_s, b)
+    bar.close()
     if best is None:
         first, least = rows[0].batch_size, rows[0].least_bytes or 0
         raise InfeasibleBudgetError(

@@ -340,7 +340,8 @@ class CalibrationTimer:
 
 def current(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Calibration:
     """The calibration this process holds for ``device`` and ``dtype`` (from the disk cache, or
-    measured now without any op): to save, or to pin with ``plan(..., calibration=...)``."""
+    measured now without any op): to save, or to pin with ``plan(..., calibration=...)``.
+    Under ``torch.distributed`` a collective (rank 0's is broadcast): call it on every rank."""
     device = torch.device(device)
     timer = CalibrationTimer(dtype)
     timer([], device)
