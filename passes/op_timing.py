@@ -139,6 +139,17 @@ def _real(x: Any, device: torch.device, generator: torch.Generator) -> Any:
     return flat.as_strided(x.shape, x.stride)
 
 
+def clock(device: torch.device) -> Callable[[], float]:
+    """The clock calibration times with on ``device``: on a CPU running torch on one thread,
+    this process's CPU time, which other processes sharing the core do not stretch (the wall
+    clock counts the time they run; the fastest of a few repeats still keeps some of it once a
+    call outlasts the scheduler's time slice); else the wall clock (CUDA kernels, or CPU
+    kernels spread over threads, whose CPU times add up past the wall time)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
 def time_call(call: OpCall, device: torch.device, repeats: int = 5) -> float | None:
     """Seconds per call of ``call`` on ``device`` (the fastest of ``repeats`` stretches), not
     cached; None for a call that does not run on random tensors."""
@@ -157,14 +168,15 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    now = clock(device)
     try:
         with torch.no_grad():
             run()  # warm-up: lazy initialisation, allocator growth
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             run()
             sync()
-            once_s = time.perf_counter() - t0
+            once_s = now() - t0
             n = max(1, int(MIN_STRETCH_S / max(once_s, 1e-7)))
             samples = [once_s] if n == 1 else []
             if once_s > SLOW_CALL_S:
@@ -172,11 +184,11 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
                 # the timed run above among them, keep a sweep over batch sizes short.
                 repeats = min(repeats, SLOW_REPEATS) - 1
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                t0 = now()
                 for _ in range(n):
                     run()
                 sync()
-                samples.append((time.perf_counter() - t0) / n)
+                samples.append((now() - t0) / n)
     except Exception:  # any failure means: price this call by the roofline
         return None
     return min(samples)
@@ -186,12 +198,13 @@ _OVERHEAD_S: dict[str, float] = {}
 
 
 def _best_step_s(step: Callable[[], None], repeats: int) -> float:
+    now = clock(torch.device("cpu"))  # only ever on the CPU (0 overhead on CUDA)
     step()  # warm-up
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         step()
-        samples.append(time.perf_counter() - t0)
+        samples.append(now() - t0)
     return min(samples)  # see MIN_STRETCH_S: the machine's speed, not its neighbours' load
 
 
