@@ -130,11 +130,17 @@ def time_step(
     *,
     warmup: int = 1,
     repeats: int = 5,
+    clock: str = "wall",
 ) -> StepTime:
     """Wall time of a training step, forward (with the loss) and backward apart, untracked.
 
     The median of ``repeats`` steps after ``warmup`` ones; state is restored as by :func:`measure`.
+    ``clock="cpu"``: this process's CPU time instead (on a shared CPU, what the step cost this
+    process without the time other processes ran; one-thread CPU steps only, as a device
+    calibration times them, ``passes/op_timing.clock``).
     """
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     device = _device_of(module_or_model, example_input)
@@ -142,7 +148,8 @@ def time_step(
         for _ in range(warmup):
             _clear_grads(module_or_model)
             _step(module_or_model, example_input, loss_fn)
-        return _timed_steps(module_or_model, example_input, loss_fn, device, repeats)
+        now = time.process_time if clock == "cpu" else time.perf_counter
+        return _timed_steps(module_or_model, example_input, loss_fn, device, repeats, now)
 
 
 def measured_step_time(
@@ -222,6 +229,7 @@ def _timed_steps(
     loss_fn: LossFn | None,
     device: torch.device,
     repeats: int,
+    now: Any = time.perf_counter,
 ) -> StepTime:
     forward_s, backward_s = [], []
     # No gc.collect() between steps: walking every Python object evicts the caches and slows
@@ -229,15 +237,15 @@ def _timed_steps(
     for _ in range(repeats):
         _clear_grads(module)
         _sync(device)
-        start_s = time.perf_counter()
+        start_s = now()
         loss = training_loss(call(module, example_input), loss_fn)
         _sync(device)
-        backward_start_s = time.perf_counter()
+        backward_start_s = now()
         loss.backward()
         del loss
         _sync(device)
         forward_s.append(backward_start_s - start_s)
-        backward_s.append(time.perf_counter() - backward_start_s)
+        backward_s.append(now() - backward_start_s)
     # Medians of each phase: they add up to the median step when the phases vary together.
     return StepTime(statistics.median(forward_s), statistics.median(backward_s))
 
