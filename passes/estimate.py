@@ -501,6 +501,8 @@ def with_measured_times(
     (``op_timing.Timer``; None: ``op_timing.measure_timing``)."""
     calls = [call for recorded in tracker.calls.values() for call, _, _ in recorded if call]
     timing = (timer or measure_timing)(calls, device)
+    if step_time is None:
+        step_time = timing.step_time
     times, how = _measured_times(tracker, timing, rates, step_time)
     if timing.source:
         how += f"; calibration: {timing.source}"

@@ -379,6 +379,9 @@ class DeviceTiming:
     call_overhead_s: float = 0.0
     checkpoint: CheckpointOverhead = CheckpointOverhead()
     source: str = ""  # where it came from, for the graph's meta["timing"]
+    # The step itself, timed whole (``passes.step.StepTime``: plain, checkpointed, selective),
+    # when it was cheap enough to time; the estimator fits the calls' times to it.
+    step_time: Any = None
 
 
 # What ``estimate(..., time_ops=True)`` calls with the step's recorded calls and the device:

@@ -24,13 +24,14 @@ ranks price, and plan, alike (every rank must call ``plan``, as with any collect
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -46,7 +47,14 @@ from planner.passes.op_timing import (
     measure_checkpoint_overhead,
     time_call,
 )
+from planner.passes.step import StepTime
 from planner.solvers.errors import PlannerError
+
+# A step whose calls add up to less than this is also timed whole (plain, checkpointed and
+# selective, a few interleaved rounds: well under a second), and its calls' times fitted to it:
+# on a small model the Python, autograd and policy costs around the calls are most of the step
+# and a stand-in chain prices them 20-40% off. Larger steps are priced from their calls alone.
+SMALL_STEP_S = 0.05
 
 CACHE_DIR_ENV = "PLANNER_CACHE_DIR"
 CACHE_ENV = "PLANNER_CACHE"  # "0" (or "false", "off", "no"): no disk cache
@@ -70,6 +78,9 @@ class Calibration:
     ``op_times_s``: seconds per call by ``OpCall.key_text`` (None: the call did not run on
     random tensors and is priced by the roofline). ``call_overhead_s``: what a training step
     spends per aten call beyond the call itself. ``checkpoint``: a region's bookkeeping.
+    ``step_times_s``: small steps timed whole, by :func:`step_signature`: (forward, backward,
+    checkpointed whole, selective whole; the last two None where it could not be
+    checkpointed).
     """
 
     device: str
@@ -78,18 +89,28 @@ class Calibration:
     call_overhead_s: float
     checkpoint: CheckpointOverhead
     op_times_s: Mapping[str, float | None] = field(default_factory=dict)
+    step_times_s: Mapping[str, tuple[float, float, float | None, float | None]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         # read-only: a calibration shared by plans must not change under them
         object.__setattr__(self, "op_times_s", MappingProxyType(dict(self.op_times_s)))
+        steps = {k: tuple(v) for k, v in self.step_times_s.items()}
+        object.__setattr__(self, "step_times_s", MappingProxyType(steps))
 
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.device, self.torch_version, self.dtype)
 
-    def timing(self, source: str = "") -> DeviceTiming:
-        """The torch-free data the estimator prices with (``passes/op_timing.DeviceTiming``)."""
-        return DeviceTiming(self.op_times_s, self.call_overhead_s, self.checkpoint, source)
+    def timing(self, source: str = "", step: str | None = None) -> DeviceTiming:
+        """The torch-free data the estimator prices with (``passes/op_timing.DeviceTiming``),
+        with the step of signature ``step`` if it was timed whole."""
+        timed = self.step_times_s.get(step) if step is not None else None
+        step_time = None if timed is None else StepTime(*timed)
+        return DeviceTiming(
+            self.op_times_s, self.call_overhead_s, self.checkpoint, source, step_time
+        )
 
     def with_times(self, times_s: Mapping[str, float | None]) -> Calibration:
         """This calibration with more calls; a call it already has keeps its figure."""
@@ -109,6 +130,7 @@ class Calibration:
                 "per_selective_call_s": self.checkpoint.per_selective_call_s,
             },
             "op_times_s": dict(sorted(self.op_times_s.items())),
+            "step_times_s": {k: list(v) for k, v in sorted(self.step_times_s.items())},
         }
 
     @classmethod
@@ -134,6 +156,10 @@ class Calibration:
                 ),
                 op_times_s={
                     str(k): None if v is None else float(v) for k, v in body["op_times_s"].items()
+                },
+                step_times_s={
+                    str(k): tuple(None if x is None else float(x) for x in v)
+                    for k, v in body.get("step_times_s", {}).items()
                 },
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -220,7 +246,17 @@ def _merged(ours: Calibration, theirs: Calibration | None) -> Calibration:
     """``theirs`` (the file) with what only ``ours`` has: the first figure written wins."""
     if theirs is None or theirs.key != ours.key:
         return ours
-    return theirs.with_times(ours.op_times_s)
+    steps = {**ours.step_times_s, **theirs.step_times_s}
+    return replace(theirs.with_times(ours.op_times_s), step_times_s=steps)
+
+
+def step_signature(calls: Sequence[OpCall]) -> str:
+    """A step's identity for its whole-step timing: its calls, in order."""
+    digest = hashlib.sha256()
+    for call in calls:
+        digest.update(call.key_text.encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:32]
 
 
 def _measure_new(device: torch.device, dtype: str) -> Calibration:
@@ -268,9 +304,17 @@ class CalibrationTimer:
     lacked are written back to it); None: the process's and the disk cache's.
     """
 
-    def __init__(self, dtype: torch.dtype, pinned: Calibration | str | Path | None = None) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        pinned: Calibration | str | Path | None = None,
+        step: Callable[[str], StepTime | None] | None = None,
+    ) -> None:
+        """``step(clock)``: time the model's step whole (``measurement.measured_step_time``),
+        done once per step signature and kept, if the step is small (SMALL_STEP_S)."""
         self.dtype = str(dtype).removeprefix("torch.")
         self.pinned = pinned
+        self.step = step
         self.used: Calibration | None = None
         self.source = "this process's" if pinned is None else f"pinned ({pinned})"
 
@@ -320,7 +364,12 @@ class CalibrationTimer:
             new = _time_missing(calibration, calls, device)
             if new:
                 calibration = calibration.with_times(new)
-            if path is not None and (new or not path.exists()):
+            signature = step_signature(calls)
+            timed = self._time_small_step(calibration, calls, device, signature)
+            if timed is not None:
+                steps = {**calibration.step_times_s, signature: timed}
+                calibration = replace(calibration, step_times_s=steps)
+            if path is not None and (new or timed is not None or not path.exists()):
                 calibration = _merged(calibration, _read_quietly(path))
                 try:
                     calibration.save(path)
@@ -328,6 +377,8 @@ class CalibrationTimer:
                     pass  # a read-only cache: this process keeps it all the same
             if new:
                 self.source += f", {len(new)} calls timed now"
+        else:
+            signature = step_signature(calls)
         if distributed:
             calibration = _broadcast(calibration)
             self.source = "rank 0's, broadcast"
@@ -335,7 +386,27 @@ class CalibrationTimer:
         if not isinstance(self.pinned, Calibration):
             _PROCESS[calibration.key] = calibration
         self.used = calibration
-        return calibration.timing(f"{calibration.device}, {self.source}")
+        return calibration.timing(f"{calibration.device}, {self.source}", signature)
+
+    def _time_small_step(
+        self,
+        calibration: Calibration,
+        calls: Sequence[OpCall],
+        device: torch.device,
+        signature: str,
+    ) -> tuple[float, float, float | None, float | None] | None:
+        """The step timed whole, if it is small, has not been yet, and can be."""
+        if self.step is None or device.type != "cpu" or signature in calibration.step_times_s:
+            return None
+        alone_s = sum(calibration.op_times_s.get(c.key_text) or 0.0 for c in calls)
+        if alone_s >= SMALL_STEP_S:
+            return None
+        # the clock the op times were taken by (passes/op_timing.clock)
+        timed = self.step("cpu" if torch.get_num_threads() == 1 else "wall")
+        if timed is None:
+            return None
+        MEASUREMENTS["steps"] += 1
+        return (timed.forward_s, timed.backward_s, timed.checkpointed_s, timed.selective_s)
 
 
 def current(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Calibration:

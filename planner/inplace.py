@@ -44,6 +44,7 @@ from planner.calibration import (
 )
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig, per_rank
+from planner.measurement import measured_step_time
 from planner.offload import offloaded_call
 from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
 from planner.passes.rewrite import NamedRegion as Region
@@ -177,7 +178,13 @@ def price_inplace(
             loss_fn,
             rates=device,
             time_ops=time_ops,
-            timer=CalibrationTimer(model_dtype(model), calibration) if time_ops else None,
+            timer=CalibrationTimer(
+                model_dtype(model),
+                calibration,
+                step=lambda clock: measured_step_time(model, example_input, loss_fn, clock=clock),
+            )
+            if time_ops
+            else None,
         )
         return eg if fsdp is None else per_rank(model, eg, fsdp)
 

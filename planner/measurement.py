@@ -153,7 +153,11 @@ def time_step(
 
 
 def measured_step_time(
-    module_or_model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None = None
+    module_or_model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    clock: str = "wall",
 ) -> StepTime | None:
     """The step's time as a planner prices it on its own device: the plain step, and the step
     with the whole forward under one non-reentrant checkpoint, plain and selective
@@ -165,8 +169,9 @@ def measured_step_time(
     steps still vary by a few percent on a shared CPU (GPT-ref: 2.27 to 3.05 s for the same
     plain step), so what is fitted from small differences, the selective policy's cost per
     call above all, is approximate. None when the unplanned step does not fit in the device's
-    memory (the reason to plan)."""
+    memory (the reason to plan). ``clock`` as for :func:`time_step`."""
     device = _device_of(module_or_model, example_input)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     steps = {
         "plain": module_or_model,
         "checkpointed": _CheckpointedWhole(module_or_model),
@@ -175,20 +180,20 @@ def measured_step_time(
     with _restored_state(module_or_model, device):
         try:
             # a warm-up (lazy initialisation, allocator growth), then one to size the rounds
-            _timed_steps(module_or_model, example_input, loss_fn, device, 1)
-            first = _timed_steps(module_or_model, example_input, loss_fn, device, 1)
+            _timed_steps(module_or_model, example_input, loss_fn, device, 1, now)
+            first = _timed_steps(module_or_model, example_input, loss_fn, device, 1, now)
         except torch.cuda.OutOfMemoryError:
             return None
         try:
             for kind in ("checkpointed", "selective"):
-                _timed_steps(steps[kind], example_input, loss_fn, device, 1)
+                _timed_steps(steps[kind], example_input, loss_fn, device, 1, now)
         except Exception:  # e.g. a forward that cannot run twice alike: recomputation unfitted
             del steps["checkpointed"], steps["selective"]
         rounds = min(9, max(3, math.ceil(0.1 / max(first.step_s, 1e-6))))
         timed: dict[str, list[StepTime]] = {kind: [] for kind in steps}
         for _ in range(rounds):
             for kind, module in steps.items():
-                timed[kind].append(_timed_steps(module, example_input, loss_fn, device, 1))
+                timed[kind].append(_timed_steps(module, example_input, loss_fn, device, 1, now))
     plain = StepTime(
         statistics.median(t.forward_s for t in timed["plain"]),
         statistics.median(t.backward_s for t in timed["plain"]),

@@ -37,6 +37,7 @@ from planner.inplace import (
     predictions,
     price_inplace,
 )
+from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
@@ -251,7 +252,15 @@ def price(
         loss_fn=loss_fn,
         rates=profile,
         time_ops=time_ops,
-        timer=CalibrationTimer(model_dtype(model), calibration) if time_ops else None,
+        timer=CalibrationTimer(
+            model_dtype(model),
+            calibration,
+            step=lambda clock: measured_step_time(
+                captured.module, example_input, loss_fn, clock=clock
+            ),
+        )
+        if time_ops
+        else None,
     )
     return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
 
