@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 # The default sweep doubles from 1 and stops at the first batch size no plan fits, or here.
 MAX_BATCH_SIZE = 4096
+# In a sweep, each size's solve may take up to 1/SWEEP_SHARES of the shared time left.
+SWEEP_SHARES = 3
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,11 @@ def fit_batch(
             eager_samples_per_s=b / eager_s,
         )
         try:
-            p = solve(**{**solver_opts, "time_limit_s": limit.share_s(len(sizes) - k)})
+            # a sweep stops at the first size that does not fit, usually long before the
+            # list's end: a share of what is left as if at most SWEEP_SHARES sizes remained
+            left = len(sizes) - k
+            shares = min(left, SWEEP_SHARES) if sweep else left
+            p = solve(**{**solver_opts, "time_limit_s": limit.share_s(shares)})
         except InfeasibleBudgetError as e:
             rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
             if sweep:
