@@ -281,7 +281,8 @@ def fit_batch(
             # list's end: a share of what is left as if at most SWEEP_SHARES sizes remained
             left = len(sizes) - k
             shares = min(left, SWEEP_SHARES) if sweep else left
-            p = solve(**{**solver_opts, "time_limit_s": limit.share_s(shares)})
+            with limit.solving():
+                p = solve(**{**solver_opts, "time_limit_s": limit.share_s(shares)})
         except InfeasibleBudgetError as e:
             rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
             if sweep:

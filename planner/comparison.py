@@ -294,7 +294,8 @@ def compare(
                 own["time_limit_s"] = min(share_s, own.get("time_limit_s", share_s))
                 solves_left -= 1
                 try:
-                    schedule = priced.solve(budget_bytes, name, **own)
+                    with limit.solving():
+                        schedule = priced.solve(budget_bytes, name, **own)
                 except InfeasibleBudgetError as e:
                     rows.append(
                         _infeasible(name, budget_bytes, time.perf_counter() - t0, least=e.min_bytes)

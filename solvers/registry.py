@@ -8,11 +8,12 @@ and an unknown one is a ValueError naming the valid ones, never silently ignored
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,23 +45,32 @@ class SolverOptions:
         return time.perf_counter() + self.time_limit_s
 
 
-@dataclass(frozen=True)
 class SharedTimeLimit:
     """One time limit shared by several solves (the capped objective's, ``compare``'s,
     ``fit_batch``'s), instead of each taking the whole limit: each solve gets an equal share
-    of the time left, so time a solve did not use goes to the ones after it."""
+    of the time left, so time a solve did not use goes to the ones after it. Only the solves
+    (run inside :meth:`solving`) spend it, not the pricing or measuring between them."""
 
-    deadline: float  # ``time.perf_counter()`` value by which the last solve should answer
+    def __init__(self, time_limit_s: float) -> None:
+        self.left_s = time_limit_s
 
     @classmethod
     def starting_now(cls, time_limit_s: float) -> SharedTimeLimit:
-        return cls(time.perf_counter() + time_limit_s)
+        return cls(time_limit_s)
 
     def share_s(self, solves_left: int) -> float:
         """The next solve's limit when ``solves_left`` solves (it included) remain; at least
-        MIN_SHARE_S, so a solve past the deadline still answers (with its quickest schedule)."""
-        left_s = self.deadline - time.perf_counter()
-        return max(MIN_SHARE_S, left_s / max(solves_left, 1))
+        MIN_SHARE_S, so a solve past the limit still answers (with its quickest schedule)."""
+        return max(MIN_SHARE_S, self.left_s / max(solves_left, 1))
+
+    @contextlib.contextmanager
+    def solving(self) -> Iterator[None]:
+        """Charge the time spent inside to the limit."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.left_s -= time.perf_counter() - start
 
 
 # The least a shared limit gives one solve.
@@ -246,7 +256,8 @@ def _within_flops_cap(
         # at most 2 + CAP_SEARCH_STEPS solves: the share of what is left to each remaining one
         share_s = limit.share_s(2 + CAP_SEARCH_STEPS - solves)
         solves += 1
-        schedule = solve_fn(seen, budget_bytes, **{**opts, "time_limit_s": share_s})
+        with limit.solving():
+            schedule = solve_fn(seen, budget_bytes, **{**opts, "time_limit_s": share_s})
         sim = simulate(graph, schedule)
         return schedule, sim.step_time_s, sim.recompute_flops
 
