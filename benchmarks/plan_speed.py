@@ -12,12 +12,31 @@ CPU time (``time.process_time``), with the load average: on a shared machine the
 the CPU time stretched by the load.
 
 Run: ``python -m benchmarks.plan_speed`` (``--seq-len 64`` for another length).
+
+``--calibration`` instead times what a device calibration (``planner/calibration.py``) buys, in a
+fresh cache directory (``PLANNER_CACHE_DIR``, a temporary one unless ``--cache-dir``):
+
+- GPT-ref in place (``benchmarks.models.gpt_ref_example``, 12 blocks, width 256, 8 x 256 tokens):
+  a cold ``plan()`` at 0.4 GB (targets: <= 15 s), a second plan in the same process at another
+  budget (0.3 GB, <= 3 s), the first budget again, and a plan in a new process that reads the
+  on-disk calibration (<= 5 s); whether the three calls at 0.4 GB and the two processes give
+  the identical plan;
+- ``fit_batch`` on GPT-ref (the sweep of BENCHMARKS.md: cap = eager's measured peak at batch 8),
+  twice, each in a new process sharing the calibration (<= 120 s, the same pick);
+- Mamba from the tiny config with ``max_recompute_flops_fraction`` (<= 60 s in all).
+
+Each figure comes with the load average; pin the run as the targets were measured:
+``OMP_NUM_THREADS=1 taskset -c 1 python -m benchmarks.plan_speed --calibration``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 MIB = 2**20
@@ -87,10 +106,175 @@ def plan_speed(seq_len: int = 128, budget_fraction: float = 0.7) -> str:
     )
 
 
+def _load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def _fingerprint(p) -> str:
+    """What two plans must share to be the same plan."""
+    regions = [(r.name, r.kind, r.depth, list(r.saved_nodes)) for r in p.regions]
+    return json.dumps([regions, p.predicted_peak_bytes, round(p.predicted_step_time_s, 12)])
+
+
+def _in_new_process(what: str, *args: str) -> dict:
+    """Run ``what`` of this module in a new Python process (same environment, same cache)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.plan_speed", "--child", what, *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def gpt_ref_plan(budget_gb: float) -> dict:
+    """One in-place plan of GPT-ref: seconds, regions, fingerprint."""
+    import planner
+    from benchmarks.models import gpt_ref_example
+
+    model, x = gpt_ref_example()
+    start = time.perf_counter()
+    cpu0 = time.process_time()
+    p = planner.plan(model, x, budget_gb, form="inplace")
+    return {
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu0,
+        "regions": len(p.regions),
+        "step_s": p.predicted_step_time_s,
+        "fingerprint": _fingerprint(p),
+        "load": _load(),
+    }
+
+
+def gpt_ref_fit_batch() -> dict:
+    import planner
+    from benchmarks.models import gpt_ref_for_batch
+
+    model, _ = gpt_ref_for_batch(1)
+    cap_bytes = planner.measure(model, gpt_ref_for_batch(8)[1]).peak_bytes
+    start = time.perf_counter()
+    cpu0 = time.process_time()
+    fit = planner.fit_batch(model, lambda b: gpt_ref_for_batch(b)[1], cap_bytes / 1e9)
+    return {
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu0,
+        "pick": fit.best_batch_size,
+        "rows": [
+            [r.batch_size, r.solver, r.samples_per_s, r.predicted_peak_bytes] for r in fit.rows
+        ],
+        "cap_bytes": cap_bytes,
+        "load": _load(),
+    }
+
+
+def mamba_capped(fraction: float = 0.15, seq_len: int = 128) -> dict:
+    """Mamba (tiny config) in place at 70% of its eager peak, recomputing at most
+    ``fraction`` of the step's FLOPs: the whole plan() call."""
+    import planner
+
+    model, example = mamba_example(seq_len)
+    eager = planner.measure(model, example).peak_bytes
+    start = time.perf_counter()
+    cpu0 = time.process_time()
+    p = planner.plan(
+        model, example, 0.7 * eager / 1e9, form="inplace", max_recompute_flops_fraction=fraction
+    )
+    return {
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu0,
+        "regions": len(p.regions),
+        "recompute_pct": 100 * p.predicted_recompute_flops / max(p.step_flops, 1),
+        "note": p.schedule.note,
+        "load": _load(),
+    }
+
+
+class _Lines(list):
+    """The report's lines, each printed as it comes (a long run shows its parts as it goes)."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+    def __iadd__(self, lines):  # noqa: ANN001
+        for line in lines:
+            self.append(line)
+        return self
+
+
+def calibration_report(what: list[str]) -> str:
+    lines = _Lines()
+    if "gpt-ref" in what:
+        import planner
+
+        first = gpt_ref_plan(0.4)
+        # the same process: another budget, then the first again
+        other = gpt_ref_plan(0.3)
+        again = gpt_ref_plan(0.4)
+        planner.calibration._PRICED.clear()  # priced again from the trace, calibration held
+        third = gpt_ref_plan(0.4)
+        new = _in_new_process("gpt-ref-plan", "0.4")
+        same_calls = len({first["fingerprint"], again["fingerprint"], third["fingerprint"]}) == 1
+        lines += [
+            f"GPT-ref in place, cold plan(0.4 GB): {first['wall_s']:.1f} s wall "
+            f"({first['cpu_s']:.1f} s CPU, {first['load']}), {first['regions']} regions, "
+            f"predicted step {first['step_s']:.3f} s",
+            f"second plan, same process (0.3 GB): {other['wall_s']:.2f} s wall "
+            f"({other['cpu_s']:.2f} s CPU, {other['load']}); 0.4 GB again: "
+            f"{again['wall_s']:.2f} s; re-traced with the held calibration: "
+            f"{third['wall_s']:.2f} s",
+            f"new process, on-disk calibration (0.4 GB): {new['wall_s']:.2f} s wall "
+            f"({new['cpu_s']:.2f} s CPU, {new['load']})",
+            f"three calls identical: {same_calls}; two processes identical: "
+            f"{new['fingerprint'] == first['fingerprint']}",
+        ]
+    if "fit-batch" in what:
+        runs = [_in_new_process("fit-batch") for _ in range(2)]
+        for k, r in enumerate(runs):
+            rows = ", ".join(f"{b}: {s} {rate:.2f}/s" for b, s, rate, _ in r["rows"] if rate)
+            lines.append(
+                f"fit_batch GPT-ref run {k + 1}: {r['wall_s']:.1f} s wall ({r['cpu_s']:.1f} s "
+                f"CPU, {r['load']}), pick batch {r['pick']} ({rows})"
+            )
+        lines.append(f"same pick: {runs[0]['pick'] == runs[1]['pick']}")
+    if "mamba" in what:
+        r = _in_new_process("mamba-capped")
+        lines.append(
+            f"Mamba (tiny) in place, max_recompute_flops_fraction=0.15, 70% of eager: "
+            f"{r['wall_s']:.1f} s wall ({r['cpu_s']:.1f} s CPU, {r['load']}), "
+            f"{r['regions']} regions, recomputes {r['recompute_pct']:.2f}%; {r['note']}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--calibration",
+        nargs="?",
+        const="gpt-ref,fit-batch,mamba",
+        help="time what a device calibration buys (gpt-ref, fit-batch, mamba; default all)",
+    )
+    parser.add_argument("--cache-dir", help="PLANNER_CACHE_DIR for --calibration")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        what, *rest = args.child
+        if what == "gpt-ref-plan":
+            result = gpt_ref_plan(float(rest[0]))
+        elif what == "fit-batch":
+            result = gpt_ref_fit_batch()
+        else:
+            result = mamba_capped()
+        print(json.dumps(result), flush=True)
+        return
+    if args.calibration:
+        cache = args.cache_dir or tempfile.mkdtemp(prefix="planner-cache-")
+        os.environ["PLANNER_CACHE_DIR"] = cache  # children inherit it
+        print(f"calibration cache: {cache}", flush=True)
+        calibration_report(args.calibration.split(","))
+        return
     print(plan_speed(args.seq_len), flush=True)
 
 

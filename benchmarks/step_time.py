@@ -97,7 +97,7 @@ def run(name: str, fractions: list[float], repeats: int) -> list[float]:
     warmup, steps = (1, 3) if small else (0, 1)
 
     def timed_s(module: torch.nn.Module) -> float:
-        return time_step(module, example, warmup=warmup, repeats=steps).step_s
+        return time_step(module, example, warmup=warmup, repeats=steps, clock=CLOCK).step_s
 
     for _ in range(repeats):
         # The captured graph without regions: what the plans' predictions start from.
@@ -126,6 +126,9 @@ def run(name: str, fractions: list[float], repeats: int) -> list[float]:
     return errors
 
 
+# time_step's clock: "wall", or "cpu" (this process's CPU time) on a machine others load
+CLOCK = "wall"
+
 BATCH_FACTORIES = {"gpt-ref-small": gpt_ref_small_for_batch, "gpt-ref": gpt_ref_for_batch}
 
 
@@ -147,7 +150,7 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
     samples: dict[int, list[float]] = {b: [] for b in modules}
     for _ in range(repeats):
         for b, m in modules.items():
-            samples[b].append(time_step(m, inputs[b], repeats=1).step_s)
+            samples[b].append(time_step(m, inputs[b], repeats=1, clock=CLOCK).step_s)
     print(
         f"\n## fit_batch on {name}: cap = eager's measured peak at batch {cap_batch}, "
         f"{cap_bytes / 2**20:.2f} MiB\n"
@@ -184,10 +187,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--fit-batch", choices=sorted(BATCH_FACTORIES), help="check fit_batch")
     parser.add_argument("--cap-batch", type=int, default=8, help="for --fit-batch")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="measure steps by the wall clock or this process's CPU time (one thread, shared "
+        "machine: what the calibration times by)",
+    )
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = args.clock
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"CPU, {torch.get_num_threads()} threads, median of {args.repeats} interleaved steps")
+    print(
+        f"CPU, {torch.get_num_threads()} threads, median of {args.repeats} interleaved steps, "
+        f"{args.clock} clock"
+    )
     if args.fit_batch:
         check_fit_batch(args.fit_batch, args.cap_batch, args.repeats)
         return

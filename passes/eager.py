@@ -56,6 +56,7 @@ from planner.passes.estimate import (
     storage_records,
     with_measured_times,
 )
+from planner.passes.op_timing import Timer
 from planner.passes.step import (
     LossFn,
     StepTime,
@@ -308,12 +309,14 @@ def eager_graph(
     rates: DeviceProfile | None = None,
     time_ops: bool = False,
     step_time: StepTime | None = None,
+    timer: Timer | None = None,
 ) -> EagerGraph:
     """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring).
 
     ``rates``: the device to price time for (None: the model's own, ``devices.profile_of``);
-    ``time_ops`` and ``step_time`` as for ``passes.estimate.estimate``: time the step's aten
-    calls on the model's real device, fitted to its measured step.
+    ``time_ops``, ``step_time`` and ``timer`` as for ``passes.estimate.estimate``: time the
+    step's aten calls on the model's real device (from ``timer``, a device's calibration),
+    fitted to its measured step if given.
     """
     args, kwargs = split_input(example_input)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -381,7 +384,7 @@ def eager_graph(
     graph = replace(graph, **device_fields(device, rates))
     graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
-        graph = with_measured_times(graph, tracker, device, rates, step_time)
+        graph = with_measured_times(graph, tracker, device, rates, step_time, timer)
     return _candidates(model, graph, calls, written)
 
 

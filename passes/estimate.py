@@ -42,13 +42,7 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.devices import DeviceProfile, profile_of
 from planner.passes.nodes import module_path, written_arguments
-from planner.passes.op_timing import (
-    OpCall,
-    call_overhead_s,
-    checkpoint_overhead,
-    op_call,
-    time_calls,
-)
+from planner.passes.op_timing import DeviceTiming, OpCall, Timer, measure_timing, op_call
 from planner.passes.step import (
     StepTime,
     amp_backward,
@@ -420,6 +414,7 @@ def estimate(
     time_ops: bool = False,
     step_time: StepTime | None = None,
     batch: Any = None,
+    timer: Timer | None = None,
 ) -> CostGraph:
     """Price one forward+loss+backward step of ``gm`` on fake tensors (see module docstring).
 
@@ -435,6 +430,9 @@ def estimate(
     (``planner.measurement.time_step``); node times are fitted to add up to it.
     ``batch``: the whole example input, for a ``loss_fn(output, batch)`` (it may hold labels
     that ``args``/``kwargs``, what ``gm`` takes, leave out; None: ``args``/``kwargs``).
+    ``timer``: with ``time_ops``, where the calls' times come from (``op_timing.Timer``: a
+    device's calibration, which times only the calls it lacks); None times them in this process
+    (``op_timing.measure_timing``).
     """
     kwargs = kwargs or {}
     nodes = compute_nodes(gm)
@@ -526,7 +524,9 @@ def estimate(
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
     graph = _build(nodes, step, tracker, bwd, loss_seg, seq_lens, rates, sdpa_backend)
     graph = dataclasses.replace(graph, **device_fields(device, rates))
-    return with_measured_times(graph, tracker, device, rates, step_time) if time_ops else graph
+    if not time_ops:
+        return graph
+    return with_measured_times(graph, tracker, device, rates, step_time, timer)
 
 
 def device_fields(device: torch.device, rates: DeviceProfile) -> dict[str, Any]:
@@ -550,17 +550,25 @@ def with_measured_times(
     device: torch.device,
     rates: DeviceProfile,
     step_time: StepTime | None,
+    timer: Timer | None = None,
 ) -> CostGraph:
     """``graph`` with node times from its aten calls timed on ``device`` (the tracker recorded
-    them: ``record_calls``) and the checkpoint overhead measured there (``op_timing``)."""
-    times, how = _measured_times(tracker, device, rates, step_time)
+    them: ``record_calls``) and the checkpoint overhead measured there, both from ``timer``
+    (``op_timing.Timer``; None: ``op_timing.measure_timing``)."""
+    calls = [call for recorded in tracker.calls.values() for call, _, _ in recorded if call]
+    timing = (timer or measure_timing)(calls, device)
+    if step_time is None:
+        step_time = timing.step_time
+    times, how = _measured_times(tracker, timing, rates, step_time)
+    if timing.source:
+        how += f"; calibration: {timing.source}"
     nodes = tuple(
         dataclasses.replace(
             n, fwd_time_s=times.get(("fwd", i), 0.0), bwd_time_s=times.get(("bwd", i), 0.0)
         )
         for i, n in enumerate(graph.nodes)
     )
-    overhead = checkpoint_overhead(device)
+    overhead = timing.checkpoint
     graph = dataclasses.replace(
         graph,
         nodes=nodes,
@@ -591,7 +599,7 @@ def with_measured_times(
 
 
 def _measured_times(
-    tracker: _Tracker, device: torch.device, rates: DeviceProfile, step_time: StepTime | None
+    tracker: _Tracker, timing: DeviceTiming, rates: DeviceProfile, step_time: StepTime | None
 ) -> tuple[dict[tuple[str, int], float], str]:
     """Seconds per (phase, node): its aten calls timed alone on ``device`` (the roofline for
     those that cannot run alone), plus what the step spends per call around them, and how.
@@ -600,21 +608,22 @@ def _measured_times(
     per-call share is fitted per phase so the phase adds up to its measured time: the model's
     own Python, autograd and dispatch, not a stand-in's. When the ops timed alone already take
     longer than the phase (they missed cache reuse the real step has), they are scaled down
-    instead. Without it, the share of a stand-in chain (``op_timing.call_overhead_s``).
+    instead. Without it, the share of a stand-in chain (``op_timing.call_overhead_s``, in
+    ``timing``).
     """
-    calls = [call for recorded in tracker.calls.values() for call, _, _ in recorded if call]
-    measured = time_calls(calls, device)
+    measured = timing.op_times_s
+
+    def alone(call: OpCall | None, flops: float, moved: float) -> float:
+        seconds = None if call is None else measured.get(call.key_text)
+        if seconds is None:
+            return max(flops / rates.flops_per_s, moved / rates.bytes_per_s)
+        return seconds
+
     alone_s: dict[tuple[str, int], float] = {
-        where: sum(
-            measured[call.key]
-            if call is not None and call.key in measured
-            else max(flops / rates.flops_per_s, moved / rates.bytes_per_s)
-            for call, flops, moved in recorded
-        )
-        for where, recorded in tracker.calls.items()
+        where: sum(alone(*entry) for entry in recorded) for where, recorded in tracker.calls.items()
     }
     if step_time is None:
-        overhead_s = call_overhead_s(device)
+        overhead_s = timing.call_overhead_s
         how = f"ops timed alone + {overhead_s * 1e6:.1f} us per call (stand-in chain)"
         return {w: t + len(tracker.calls[w]) * overhead_s for w, t in alone_s.items()}, how
     times: dict[tuple[str, int], float] = {}

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -60,6 +60,11 @@ class OpCall:
             tensors = tuple(x for x in self.leaves if isinstance(x, TensorSpec))
             return (str(self.op), "view", tensors)
         return (str(self.op), str(self.spec), self.leaves)
+
+    @cached_property
+    def key_text(self) -> str:
+        """:attr:`key` as text, the same in every process: how a calibration stores the call."""
+        return repr(self.key)
 
 
 # Calls whose time does not depend on the position they write, and that position's argument:
@@ -99,6 +104,9 @@ _TIMES: dict[tuple[str, tuple], float | None] = {}
 # (as timeit advises): other processes only ever slow a run down, and a figure cached for the
 # whole process must not keep one moment's load.
 MIN_STRETCH_S = 1e-3
+# Calls slower than this are timed SLOW_REPEATS times in all (not ``repeats``).
+SLOW_CALL_S = 20e-3
+SLOW_REPEATS = 3
 
 
 def time_calls(
@@ -131,6 +139,23 @@ def _real(x: Any, device: torch.device, generator: torch.Generator) -> Any:
     return flat.as_strided(x.shape, x.stride)
 
 
+def clock(device: torch.device) -> Callable[[], float]:
+    """The clock calibration times with on ``device``: on a CPU running torch on one thread,
+    this process's CPU time, which other processes sharing the core do not stretch (the wall
+    clock counts the time they run; the fastest of a few repeats still keeps some of it once a
+    call outlasts the scheduler's time slice); else the wall clock (CUDA kernels, or CPU
+    kernels spread over threads, whose CPU times add up past the wall time)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def time_call(call: OpCall, device: torch.device, repeats: int = 5) -> float | None:
+    """Seconds per call of ``call`` on ``device`` (the fastest of ``repeats`` stretches), not
+    cached; None for a call that does not run on random tensors."""
+    return _time_call(call, device, repeats)
+
+
 def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None:
     generator = torch.Generator().manual_seed(0)
     leaves = [_real(x, device, generator) for x in call.leaves]
@@ -143,22 +168,27 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    now = clock(device)
     try:
         with torch.no_grad():
             run()  # warm-up: lazy initialisation, allocator growth
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             run()
             sync()
-            once_s = time.perf_counter() - t0
+            once_s = now() - t0
             n = max(1, int(MIN_STRETCH_S / max(once_s, 1e-7)))
-            samples = []
+            samples = [once_s] if n == 1 else []
+            if once_s > SLOW_CALL_S:
+                # A large call (a big batch's matmul) varies little run to run: fewer repeats,
+                # the timed run above among them, keep a sweep over batch sizes short.
+                repeats = min(repeats, SLOW_REPEATS) - 1
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                t0 = now()
                 for _ in range(n):
                     run()
                 sync()
-                samples.append((time.perf_counter() - t0) / n)
+                samples.append((now() - t0) / n)
     except Exception:  # any failure means: price this call by the roofline
         return None
     return min(samples)
@@ -168,12 +198,13 @@ _OVERHEAD_S: dict[str, float] = {}
 
 
 def _best_step_s(step: Callable[[], None], repeats: int) -> float:
+    now = clock(torch.device("cpu"))  # only ever on the CPU (0 overhead on CUDA)
     step()  # warm-up
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         step()
-        samples.append(time.perf_counter() - t0)
+        samples.append(now() - t0)
     return min(samples)  # see MIN_STRETCH_S: the machine's speed, not its neighbours' load
 
 
@@ -207,8 +238,17 @@ def checkpoint_overhead(
     if device.type != "cpu":
         return CheckpointOverhead()
     key = str(device)
-    if key in _CHECKPOINT_OVERHEAD:
-        return _CHECKPOINT_OVERHEAD[key]
+    if key not in _CHECKPOINT_OVERHEAD:
+        _CHECKPOINT_OVERHEAD[key] = measure_checkpoint_overhead(device, regions, repeats)
+    return _CHECKPOINT_OVERHEAD[key]
+
+
+def measure_checkpoint_overhead(
+    device: torch.device, regions: int = 16, repeats: int = 9
+) -> CheckpointOverhead:
+    """:func:`checkpoint_overhead` measured now, not cached."""
+    if device.type != "cpu":
+        return CheckpointOverhead()
     from torch.utils.checkpoint import (
         CheckpointPolicy,
         checkpoint,
@@ -262,13 +302,11 @@ def checkpoint_overhead(
     many_s, many_selective_s = excess_s(8)
     per_saving_node_s = max(0.0, (many_s - few_s) / (2 * 8 - 2))
     per_selective_call_s = max(0.0, (many_selective_s - many_s) / (2 * 8))
-    overhead = CheckpointOverhead(
+    return CheckpointOverhead(
         region_s=max(0.0, few_s - 2 * per_saving_node_s),
         per_saving_node_s=per_saving_node_s,
         per_selective_call_s=per_selective_call_s,
     )
-    _CHECKPOINT_OVERHEAD[key] = overhead
-    return overhead
 
 
 class _Recorder(TorchDispatchMode):
@@ -290,8 +328,15 @@ def call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -
     if device.type != "cpu":
         return 0.0
     key = str(device)
-    if key in _OVERHEAD_S:
-        return _OVERHEAD_S[key]
+    if key not in _OVERHEAD_S:
+        _OVERHEAD_S[key] = measure_call_overhead_s(device, blocks, repeats)
+    return _OVERHEAD_S[key]
+
+
+def measure_call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -> float:
+    """:func:`call_overhead_s` measured now, not cached."""
+    if device.type != "cpu":
+        return 0.0
     torch.manual_seed(0)
     # Modules as models use them (a linear, a norm, an activation, dropout): their Python and
     # autograd costs are what a step pays per call; width 16 keeps the kernels themselves tiny.
@@ -311,8 +356,45 @@ def call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -
     step_s = _best_step_s(step, repeats)
     with _Recorder() as recorder:
         step()
-    alone = time_calls([c for c in recorder.calls if c is not None], device)
-    alone_s = sum(alone.get(c.key, 0.0) for c in recorder.calls if c is not None)
-    overhead_s = max(0.0, (step_s - alone_s) / len(recorder.calls))
-    _OVERHEAD_S[key] = overhead_s
-    return overhead_s
+    alone: dict[tuple, float | None] = {}
+    for c in recorder.calls:
+        if c is not None and c.key not in alone:
+            alone[c.key] = _time_call(c, device, 5)
+    alone_s = sum(alone.get(c.key) or 0.0 for c in recorder.calls if c is not None)
+    return max(0.0, (step_s - alone_s) / len(recorder.calls))
+
+
+@dataclass(frozen=True)
+class DeviceTiming:
+    """What the estimator takes of a device's calibration, as plain data (no torch objects):
+    seconds per call of each call timed (by :attr:`OpCall.key_text`; None: it did not run on
+    random tensors, price it by the roofline), seconds a step spends per call around the call
+    itself (:func:`call_overhead_s`), and the checkpoint bookkeeping (:func:`checkpoint_overhead`).
+
+    ``planner/calibration.py`` keeps one per device, in the process and on disk, and hands it to
+    ``estimate`` / ``eager_graph`` through their ``timer``.
+    """
+
+    op_times_s: Mapping[str, float | None] = field(default_factory=dict)
+    call_overhead_s: float = 0.0
+    checkpoint: CheckpointOverhead = CheckpointOverhead()
+    source: str = ""  # where it came from, for the graph's meta["timing"]
+    # The step itself, timed whole (``passes.step.StepTime``: plain, checkpointed, selective),
+    # when it was cheap enough to time; the estimator fits the calls' times to it.
+    step_time: Any = None
+
+
+# What ``estimate(..., time_ops=True)`` calls with the step's recorded calls and the device:
+# the timing of (at least) those calls.
+Timer = Callable[[Sequence[OpCall], torch.device], DeviceTiming]
+
+
+def measure_timing(calls: Sequence[OpCall], device: torch.device) -> DeviceTiming:
+    """The default :data:`Timer`: ``calls`` timed here (cached for this process only)."""
+    times = time_calls(calls, device)
+    return DeviceTiming(
+        op_times_s={c.key_text: times.get(c.key) for c in calls},
+        call_overhead_s=call_overhead_s(device),
+        checkpoint=checkpoint_overhead(device),
+        source="timed in this process",
+    )

@@ -28,6 +28,7 @@ from planner.solvers.errors import (
 
 if TYPE_CHECKING:
     from planner.batch_search import BatchFit, fit_batch
+    from planner.calibration import Calibration, CalibrationError
     from planner.comparison import Comparison, compare
     from planner.device_budget import DeviceFit, device_fit, step_budget_gb
     from planner.devices import DeviceProfile
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 # module -> the public names it defines, loaded on first use
 _PUBLIC = {
     "planner.batch_search": ("BatchFit", "fit_batch"),
+    "planner.calibration": ("Calibration", "CalibrationError"),
     "planner.comparison": ("Comparison", "compare"),
     "planner.device_budget": ("DeviceFit", "device_fit", "step_budget_gb"),
     "planner.devices": ("DeviceProfile",),
@@ -80,6 +82,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BatchFit",
+    "Calibration",
+    "CalibrationError",
     "CaptureError",
     "CheckpointingConflictError",
     "Comparison",

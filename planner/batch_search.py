@@ -8,7 +8,10 @@ fastest plan under the cap (solvers minimise predicted step time), and
 predicts its peak and step time; the winner has the most predicted samples per second.
 
 Every figure here is a prediction: peaks from ``solvers/simulate.py``, times from the step-time
-model (the graph's own ops timed on the model's device, or a device profile's roofline).
+model (the graph's own ops timed on the model's device, or a device profile's roofline). Every
+batch size is priced from the device's one calibration (``planner/calibration.py``): each size
+times only its calls on new shapes, and the figures do not follow the load of the moment from
+one size to the next. The sizes' solves share one time limit.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
+from planner.calibration import Calibration
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig
 from planner.inplace import InplacePlan
@@ -29,6 +35,7 @@ from planner.priced import check_form_options, price_form
 from planner.report import data_frame, format_bytes, format_ms, plain_text
 from planner.solvers.costgraph import Objective, Schedule
 from planner.solvers.errors import InfeasibleBudgetError, RecomputeCapError
+from planner.solvers.registry import SharedTimeLimit, default_time_limit_s
 from planner.solvers.simulate import simulate
 
 if TYPE_CHECKING:
@@ -37,6 +44,8 @@ if TYPE_CHECKING:
 
 # The default sweep doubles from 1 and stops at the first batch size no plan fits, or here.
 MAX_BATCH_SIZE = 4096
+# In a sweep, each size's solve may take up to 1/SWEEP_SHARES of the shared time left.
+SWEEP_SHARES = 3
 
 
 @dataclass(frozen=True)
@@ -201,6 +210,8 @@ def fit_batch(
     objective: Objective = "time",
     max_recompute_flops_fraction: float | None = None,
     fsdp: FSDPConfig | None = None,
+    calibration: Calibration | str | Path | None = None,
+    progress: bool = True,
     **solver_opts: Any,
 ) -> BatchFit:
     """Find the micro-batch size with the most predicted samples/s whose step fits the cap.
@@ -214,6 +225,11 @@ def fit_batch(
     ``fit.plan.apply(model)``) or "graph" (train ``fit.plan.module``). ``objective``,
     ``max_recompute_flops_fraction``, ``fsdp`` (in place only; ``make_input`` then returns one
     rank's micro-batch) and ``solver_opts``: as for ``planner.plan``, for every batch size.
+    ``calibration``: as for
+    ``planner.plan``: pin the device calibration every size is priced with. ``time_limit_s``
+    (in ``solver_opts``): one limit for all the sizes' solves together (default the solver's
+    own), each size taking an equal share of what is left. ``progress``: a progress bar (shown
+    once the sweep takes more than a second).
 
     Raises ``InfeasibleBudgetError`` when no batch size tried fits, with the least budget of
     the smallest one.
@@ -232,8 +248,19 @@ def fit_batch(
     best: tuple[float, int] | None = None
     cap_errors: list[RecomputeCapError] = []
     device_name = ""
-    for b in sizes:
-        priced = price_form(model, make_input(b), form, loss_fn=loss_fn, device=profile, fsdp=fsdp)
+    limit = SharedTimeLimit.starting_now(default_time_limit_s(solver, solver_opts))
+    bar = tqdm(sizes, disable=not progress, delay=1.0, unit="size", desc="fit_batch")
+    for k, b in enumerate(bar):
+        bar.set_description(f"fit_batch: batch {b}")
+        priced = price_form(
+            model,
+            make_input(b),
+            form,
+            loss_fn=loss_fn,
+            device=profile,
+            fsdp=fsdp,
+            calibration=calibration,
+        )
         graph = priced.graph
         device_name = graph.meta.get("device", "") + (
             " (ops timed)" if graph.meta["timing"].startswith("ops timed") else " (roofline)"
@@ -245,13 +272,18 @@ def fit_batch(
             eager_samples_per_s=b / eager_s,
         )
         try:
-            p = priced.plan(
-                cap_bytes,
-                solver,
-                objective=objective,
-                max_recompute_flops_fraction=max_recompute_flops_fraction,
-                **solver_opts,
-            )
+            # a sweep stops at the first size that does not fit, usually long before the
+            # list's end: a share of what is left as if at most SWEEP_SHARES sizes remained
+            left = len(sizes) - k
+            shares = min(left, SWEEP_SHARES) if sweep else left
+            with limit.solving():
+                p = priced.plan(
+                    cap_bytes,
+                    solver,
+                    objective=objective,
+                    max_recompute_flops_fraction=max_recompute_flops_fraction,
+                    **{**solver_opts, "time_limit_s": limit.share_s(shares)},
+                )
         except InfeasibleBudgetError as e:
             rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
             if sweep:
@@ -280,6 +312,7 @@ def fit_batch(
         plans[b] = p
         if best is None or samples_per_s > best[0]:
             best = (samples_per_s, b)
+    bar.close()
     if best is None and cap_errors and rows[0].least_bytes is None:
         raise cap_errors[0]
     if best is None:

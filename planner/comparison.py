@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
+from planner.calibration import Calibration
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig
 from planner.inplace import SPAN_SOLVERS, InplacePlan, remove
@@ -29,7 +31,12 @@ from planner.priced import check_form_options, price_form
 from planner.report import data_frame, format_bytes, format_ms, plain_text
 from planner.solvers.costgraph import Objective
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
-from planner.solvers.registry import SOLVERS, get_solver
+from planner.solvers.registry import (
+    DEFAULT_TIME_LIMIT_S,
+    SOLVERS,
+    SharedTimeLimit,
+    get_solver,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -230,6 +237,8 @@ def compare(
     solver_opts: Mapping[str, Mapping[str, Any]] | None = None,
     repeats: int = 3,
     progress: bool = False,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    calibration: Calibration | str | Path | None = None,
 ) -> Comparison:
     """Run every solver at every budget on one pricing of ``model``; one row each.
 
@@ -247,6 +256,9 @@ def compare(
     keep to the FLOPs cap gets a row saying so). ``solver_opts``: extra keyword options per
     solver name, e.g. ``{"ilp": {"time_limit_s": 5}}``.
     ``progress``: show a progress bar (only once a step takes more than half a second).
+    ``time_limit_s``: one limit for all the solves together, each taking an equal share of what
+    is left (a solver's own ``time_limit_s`` in ``solver_opts`` caps its share further).
+    ``calibration``: as for ``planner.plan``.
     """
     if solvers is not None:
         names = list(solvers)
@@ -303,6 +315,7 @@ def compare(
             device=profile,
             fsdp=fsdp,
             on_step=on_step,
+            calibration=calibration,
         )
         bar.update()
         estimate_time_s = time.perf_counter() - t0
@@ -318,18 +331,25 @@ def compare(
 
         rows: list[Row] = []
         plans: dict[tuple[str, int], Plan | InplacePlan] = {}
+        limit = SharedTimeLimit.starting_now(time_limit_s)
+        solves_left = len(names) * len(budgets_bytes)
         for budget_bytes in budgets_bytes:
             for name in names:
                 bar.set_description(f"{name} @ {_mib(budget_bytes)}")
                 t0 = time.perf_counter()
+                own = dict(opts.get(name, {}))
+                share_s = limit.share_s(solves_left)
+                own["time_limit_s"] = min(share_s, own.get("time_limit_s", share_s))
+                solves_left -= 1
                 try:
-                    schedule = priced.solve(
-                        budget_bytes,
-                        name,
-                        objective=objective,
-                        max_recompute_flops_fraction=max_recompute_flops_fraction,
-                        **opts.get(name, {}),
-                    )
+                    with limit.solving():
+                        schedule = priced.solve(
+                            budget_bytes,
+                            name,
+                            objective=objective,
+                            max_recompute_flops_fraction=max_recompute_flops_fraction,
+                            **own,
+                        )
                 except InfeasibleBudgetError as e:
                     rows.append(
                         _infeasible(name, budget_bytes, time.perf_counter() - t0, least=e.min_bytes)

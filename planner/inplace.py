@@ -56,6 +56,13 @@ from torch.utils.checkpoint import (
 )
 
 from planner import hf_checkpointing
+from planner.calibration import (
+    Calibration,
+    CalibrationTimer,
+    model_dtype,
+    pricing_key,
+    reuse_priced,
+)
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig, per_rank
 from planner.guard import PlannedShape, install_guard, planned_shape, remove_guard
@@ -198,26 +205,42 @@ def price_inplace(
     *,
     device: DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
+    calibration: Calibration | str | Path | None = None,
 ) -> EagerGraph:
     """Price ``model``'s eager step for an in-place plan.
 
-    ``device``: the profile to price time for; None prices the model's own device, where its
-    ops are timed and fitted to its measured step (as ``planning.price`` does for a graph).
+    ``device``: the profile to price time for; None prices the model's own device, from its
+    calibration (``planner/calibration.py``: its ops timed there once, as ``planning.price``
+    does for a graph). ``calibration``: pin one (a ``Calibration`` or the path of one).
     ``fsdp``: price one rank of FSDP2 sharding instead of one process holding the whole model
     (``planner/fsdp.py``).
     """
     on_device = any(p.device.type != "meta" for p in model.parameters())
     time_ops = device is None and on_device
-    with hf_checkpointing.paused(model):
-        eg = eager_graph(
-            model,
-            example_input,
-            loss_fn,
-            rates=device,
-            time_ops=time_ops,
-            step_time=measured_step_time(model, example_input, loss_fn) if time_ops else None,
-        )
-    return eg if fsdp is None else per_rank(model, eg, fsdp)
+
+    def make() -> EagerGraph:
+        with hf_checkpointing.paused(model):
+            eg = eager_graph(
+                model,
+                example_input,
+                loss_fn,
+                rates=device,
+                time_ops=time_ops,
+                timer=CalibrationTimer(
+                    model_dtype(model),
+                    calibration,
+                    step=lambda clock: measured_step_time(
+                        model, example_input, loss_fn, clock=clock
+                    ),
+                )
+                if time_ops
+                else None,
+            )
+        return eg if fsdp is None else per_rank(model, eg, fsdp)
+
+    # the same model and input shapes priced earlier in this process: the same pricing
+    key = pricing_key(model, example_input, calibration, "inplace", loss_fn, device, fsdp)
+    return reuse_priced(key, model, make)
 
 
 def build_inplace_plan(

@@ -142,11 +142,17 @@ def time_step(
     *,
     warmup: int = 1,
     repeats: int = 5,
+    clock: str = "wall",
 ) -> StepTime:
     """Wall time of a training step, forward (with the loss) and backward apart, untracked.
 
     The median of ``repeats`` steps after ``warmup`` ones; state is restored as by :func:`measure`.
+    ``clock="cpu"``: this process's CPU time instead (on a shared CPU, what the step cost this
+    process without the time other processes ran; one-thread CPU steps only, as a device
+    calibration times them, ``passes/op_timing.clock``).
     """
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     device = _device_of(module_or_model, example_input)
@@ -154,11 +160,16 @@ def time_step(
         for _ in range(warmup):
             _clear_grads(module_or_model)
             _step(module_or_model, example_input, loss_fn)
-        return _timed_steps(module_or_model, example_input, loss_fn, device, repeats)
+        now = time.process_time if clock == "cpu" else time.perf_counter
+        return _timed_steps(module_or_model, example_input, loss_fn, device, repeats, now)
 
 
 def measured_step_time(
-    module_or_model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None = None
+    module_or_model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    clock: str = "wall",
 ) -> StepTime | None:
     """The step's time as a planner prices it on its own device: the plain step, and the step
     with the whole forward under one non-reentrant checkpoint, plain and selective
@@ -170,8 +181,9 @@ def measured_step_time(
     steps still vary by a few percent on a shared CPU (GPT-ref: 2.27 to 3.05 s for the same
     plain step), so what is fitted from small differences, the selective policy's cost per
     call above all, is approximate. None when the unplanned step does not fit in the device's
-    memory (the reason to plan)."""
+    memory (the reason to plan). ``clock`` as for :func:`time_step`."""
     device = _device_of(module_or_model, example_input)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     steps = {
         "plain": module_or_model,
         "checkpointed": _CheckpointedWhole(module_or_model),
@@ -180,20 +192,20 @@ def measured_step_time(
     with _restored_state(module_or_model, device):
         try:
             # a warm-up (lazy initialisation, allocator growth), then one to size the rounds
-            _timed_steps(module_or_model, example_input, loss_fn, device, 1)
-            first = _timed_steps(module_or_model, example_input, loss_fn, device, 1)
+            _timed_steps(module_or_model, example_input, loss_fn, device, 1, now)
+            first = _timed_steps(module_or_model, example_input, loss_fn, device, 1, now)
         except torch.cuda.OutOfMemoryError:
             return None
         try:
             for kind in ("checkpointed", "selective"):
-                _timed_steps(steps[kind], example_input, loss_fn, device, 1)
+                _timed_steps(steps[kind], example_input, loss_fn, device, 1, now)
         except Exception:  # e.g. a forward that cannot run twice alike: recomputation unfitted
             del steps["checkpointed"], steps["selective"]
         rounds = min(9, max(3, math.ceil(0.1 / max(first.step_s, 1e-6))))
         timed: dict[str, list[StepTime]] = {kind: [] for kind in steps}
         for _ in range(rounds):
             for kind, module in steps.items():
-                timed[kind].append(_timed_steps(module, example_input, loss_fn, device, 1))
+                timed[kind].append(_timed_steps(module, example_input, loss_fn, device, 1, now))
     plain = StepTime(
         statistics.median(t.forward_s for t in timed["plain"]),
         statistics.median(t.backward_s for t in timed["plain"]),
@@ -235,6 +247,7 @@ def _timed_steps(
     loss_fn: LossFn | None,
     device: torch.device,
     repeats: int,
+    now: Any = time.perf_counter,
 ) -> StepTime:
     forward_s, backward_s = [], []
     # No gc.collect() between steps: walking every Python object evicts the caches and slows
@@ -242,17 +255,17 @@ def _timed_steps(
     for _ in range(repeats):
         _clear_grads(module)
         _sync(device)
-        start_s = time.perf_counter()
+        start_s = now()
         with amp_forward():
             loss = training_loss(call(module, example_input, loss_fn), loss_fn, example_input)
         _sync(device)
-        backward_start_s = time.perf_counter()
+        backward_start_s = now()
         with amp_backward():
             loss.backward()
         del loss
         _sync(device)
         forward_s.append(backward_start_s - start_s)
-        backward_s.append(time.perf_counter() - backward_start_s)
+        backward_s.append(now() - backward_start_s)
     # Medians of each phase: they add up to the median step when the phases vary together.
     return StepTime(statistics.median(forward_s), statistics.median(backward_s))
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from planner import hf_checkpointing
+from planner.calibration import Calibration, CalibrationTimer, model_dtype
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
 from planner.inplace import (
@@ -226,11 +227,13 @@ def price(
     loss_fn: LossFn | None = None,
     device: str | DeviceProfile | None = None,
     on_step: OnStep = _no_progress,
+    calibration: Calibration | str | Path | None = None,
 ) -> PricedModel:
     """Steps 1 and 2 of the pipeline: check the model, capture it, price one training step.
 
     ``device``: the device whose time to predict, a profile name (``"h100"``, ``"a100-80gb"``,
-    ``"a100-40gb"``, ``"cpu"``) or a ``planner.DeviceProfile``; None: the model's own device.
+    ``"a100-40gb"``, ``"cpu"``) or a ``planner.DeviceProfile``; None: the model's own device,
+    priced from its calibration (``planner/calibration.py``), or ``calibration`` when given.
     Raises ``UnsupportedModelError`` for a model with nothing to train or no loss to
     differentiate (pass ``loss_fn``), ``CaptureError`` when it cannot be captured.
     """
@@ -254,7 +257,15 @@ def price(
         loss_fn=loss_fn,
         rates=profile,
         time_ops=time_ops,
-        step_time=measured_step_time(captured.module, example_input, loss_fn) if time_ops else None,
+        timer=CalibrationTimer(
+            model_dtype(model),
+            calibration,
+            step=lambda clock: measured_step_time(
+                captured.module, example_input, loss_fn, clock=clock
+            ),
+        )
+        if time_ops
+        else None,
         batch=example_input,
     )
     return PricedModel(captured.module, graph, graph_fingerprint(captured.module))
@@ -272,6 +283,7 @@ def plan(
     fsdp: FSDPConfig | None = None,
     objective: Objective = "time",
     max_recompute_flops_fraction: float | None = None,
+    calibration: Calibration | str | Path | None = None,
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -316,7 +328,9 @@ def plan(
     if form == "inplace":
         check_trainable(model)
         check_span_solver(solver)
-        eg = price_inplace(model, example_input, loss_fn, device=device, fsdp=fsdp)
+        eg = price_inplace(
+            model, example_input, loss_fn, device=device, fsdp=fsdp, calibration=calibration
+        )
         start_s = time.perf_counter()
         schedule = solve(
             eg.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
@@ -331,7 +345,9 @@ def plan(
             example_input=example_input,
         )
     with hf_checkpointing.paused(model):  # priced as it runs under the plan
-        priced = price(model, example_input, loss_fn=loss_fn, device=device)
+        priced = price(
+            model, example_input, loss_fn=loss_fn, device=device, calibration=calibration
+        )
     return priced.plan(
         budget_bytes,
         solver,

@@ -19,10 +19,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from planner.calibration import Calibration
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
 from planner.inplace import InplacePlan, build_inplace_plan, check_span_solver, price_inplace
@@ -150,13 +152,23 @@ def price_form(
     device: str | DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
     on_step: OnStep = _no_progress,
+    calibration: Calibration | str | Path | None = None,
 ) -> PricedInplace | PricedModel:
     """Price one training step of ``model`` for plans of ``form`` (see ``planner.plan`` for
-    ``device`` and ``fsdp``, the latter in place only)."""
+    ``device``, ``calibration`` and ``fsdp``, the latter in place only)."""
     profile = check_form_options(form, device=device, fsdp=fsdp)
     if form == "graph":
-        return price(model, example_input, loss_fn=loss_fn, device=profile, on_step=on_step)
+        return price(
+            model,
+            example_input,
+            loss_fn=loss_fn,
+            device=profile,
+            on_step=on_step,
+            calibration=calibration,
+        )
     check_trainable(model)
     on_step("estimate")  # one pass over the eager step: nothing is captured first
-    eager = price_inplace(model, example_input, loss_fn, device=profile, fsdp=fsdp)
+    eager = price_inplace(
+        model, example_input, loss_fn, device=profile, fsdp=fsdp, calibration=calibration
+    )
     return PricedInplace(model, eager, example_input)

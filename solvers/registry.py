@@ -8,11 +8,12 @@ and an unknown one is a ValueError naming the valid ones, never silently ignored
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +43,45 @@ class SolverOptions:
     def deadline(self) -> float:
         """``time.perf_counter()`` value by which the solver must have answered."""
         return time.perf_counter() + self.time_limit_s
+
+
+class SharedTimeLimit:
+    """One time limit shared by several solves (the capped objective's, ``compare``'s,
+    ``fit_batch``'s), instead of each taking the whole limit: each solve gets an equal share
+    of the time left, so time a solve did not use goes to the ones after it. Only the solves
+    (run inside :meth:`solving`) spend it, not the pricing or measuring between them."""
+
+    def __init__(self, time_limit_s: float) -> None:
+        self.left_s = time_limit_s
+
+    @classmethod
+    def starting_now(cls, time_limit_s: float) -> SharedTimeLimit:
+        return cls(time_limit_s)
+
+    def share_s(self, solves_left: int) -> float:
+        """The next solve's limit when ``solves_left`` solves (it included) remain; at least
+        MIN_SHARE_S, so a solve past the limit still answers (with its quickest schedule)."""
+        return max(MIN_SHARE_S, self.left_s / max(solves_left, 1))
+
+    @contextlib.contextmanager
+    def solving(self) -> Iterator[None]:
+        """Charge the time spent inside to the limit."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.left_s -= time.perf_counter() - start
+
+
+# The least a shared limit gives one solve.
+MIN_SHARE_S = 0.05
+
+
+def default_time_limit_s(solver: str, opts: Mapping[str, Any]) -> float:
+    """The time limit ``solver`` takes with ``opts``: theirs, else the solver's default."""
+    if "time_limit_s" in opts:
+        return float(opts["time_limit_s"])
+    return float(get_solver(solver).options().time_limit_s)
 
 
 def time_limit_text(options: SolverOptions) -> str:
@@ -173,7 +213,8 @@ def solve(
                 f"(0.005 for 0.5%), got {max_recompute_flops_fraction!r}"
             )
         cap_flops = max_recompute_flops_fraction * graph.step_flops
-        return _within_flops_cap(graph, budget_bytes, solve_fn, objective, cap_flops, opts)
+        limit = SharedTimeLimit.starting_now(default_time_limit_s(solver, opts))
+        return _within_flops_cap(graph, budget_bytes, solve_fn, objective, cap_flops, opts, limit)
     schedule = solve_fn(graph_for_objective(graph, objective), budget_bytes, **opts)
     if objective == "time":
         return schedule
@@ -194,8 +235,10 @@ def _within_flops_cap(
     objective: Objective,
     cap_flops: float,
     opts: dict[str, Any],
+    limit: SharedTimeLimit,
 ) -> Schedule:
-    """The fastest schedule found that recomputes at most ``cap_flops``.
+    """The fastest schedule found that recomputes at most ``cap_flops``, its solves sharing
+    ``limit`` (the solver's one time limit, not one each).
 
     Time and FLOPs are traded by a weight on the FLOPs (``weighted_graph``, a Lagrangian
     relaxation of the cap): weight 0 is the fastest schedule, a large one the fewest FLOPs
@@ -205,9 +248,16 @@ def _within_flops_cap(
     convex hull of time against FLOPs), and within the weight's last step between them.
     """
 
+    solves = 0
+
     def attempt(seen: CostGraph) -> tuple[Schedule, float, int]:
         """``solve_fn``'s schedule for the graph it sees, priced on ``graph``."""
-        schedule = solve_fn(seen, budget_bytes, **opts)
+        nonlocal solves
+        # at most 2 + CAP_SEARCH_STEPS solves: the share of what is left to each remaining one
+        share_s = limit.share_s(2 + CAP_SEARCH_STEPS - solves)
+        solves += 1
+        with limit.solving():
+            schedule = solve_fn(seen, budget_bytes, **{**opts, "time_limit_s": share_s})
         sim = simulate(graph, schedule)
         return schedule, sim.step_time_s, sim.recompute_flops
 
@@ -225,7 +275,6 @@ def _within_flops_cap(
         return _noted(least[0], f"minimised recomputed FLOPs, within {cap_text}")
     best = least
     fastest = attempt(graph)
-    solves = 2
     if fastest[2] <= cap_flops:
         best = fastest
     else:
@@ -235,7 +284,6 @@ def _within_flops_cap(
         for _ in range(CAP_SEARCH_STEPS):
             middle = (low + high) / 2
             found = attempt(weighted_graph(graph, rate * 2.0**middle))
-            solves += 1
             if found[2] <= cap_flops:
                 high = middle
                 best = min(best, found, key=lambda f: f[1])
@@ -244,7 +292,7 @@ def _within_flops_cap(
     return _noted(
         best[0],
         f"minimised predicted time within {cap_text} recomputed ({solves} solves trading "
-        f"time against FLOPs)",
+        f"time against FLOPs, sharing one time limit)",
     )
 
 

@@ -96,19 +96,18 @@ def test_node_times_are_fitted_to_the_measured_step():
 
 
 def test_on_the_device_each_region_adds_its_measured_overhead_to_the_step():
+    from planner import calibration
     from planner.planning import price
 
     model, example = gpt_ref_small_example()
-    priced = price(model, example)  # model on the CPU: its ops timed here, its step measured
+    priced = price(model, example)  # model on the CPU: priced from this device's calibration
     graph = priced.graph
-    assert "fitted to the measured step" in graph.meta["timing"]
-    overhead = checkpoint_overhead(torch.device("cpu"))
-    assert graph.region_overhead_s == overhead.region_s
-    assert graph.saving_node_overhead_s == overhead.per_saving_node_s > 0
-    # the selective policy's cost and recomputation's are fitted to this model's own step
-    assert (
-        "selective policy +" in graph.meta["timing"] and "recomputation x" in graph.meta["timing"]
-    )
+    assert graph.meta["timing"].startswith("ops timed alone + ")
+    assert "calibration: cpu" in graph.meta["timing"]
+    held = calibration.current()  # the calibration price() used: this process's
+    assert graph.region_overhead_s == held.checkpoint.region_s
+    assert graph.saving_node_overhead_s == held.checkpoint.per_saving_node_s > 0
+    assert graph.selective_call_overhead_s == held.checkpoint.per_selective_call_s
     p = priced.plan(10**9, "uniform")
     assert p.regions
     per_region = [

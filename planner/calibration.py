@@ -1,0 +1,513 @@
+"""A device's calibration: what planner measures about a device once and reuses for every plan.
+
+A plan on the model's own device prices time from measurements made there
+(``passes/op_timing.py``): each distinct aten call of the step (op, shapes, strides, dtypes)
+timed alone, the step's per-call overhead (Python, autograd, dispatch: a stand-in chain stepped
+for real, minus its calls timed alone) and a checkpoint region's bookkeeping (plain and
+selective). Every figure is the fastest of several short repeats, so load on the machine moves
+it little, and none is a whole training step of the model: a cold plan times only its ops.
+
+:class:`Calibration` holds them for one (device, torch version, dtype). It is kept
+
+- per process: later plans (other budgets, batch sizes, lengths, objectives) reuse it and time
+  only the calls it lacks (new shapes);
+- on disk, in ``$PLANNER_CACHE_DIR`` (default ``~/.cache/planner``), one JSON file per key, read
+  by later processes; ``PLANNER_CACHE=0`` turns the disk cache off (the process still keeps
+  one). A call once timed keeps its figure: merging with the file, the file's figure wins, so
+  every process that reads it prices alike.
+
+``plan(..., calibration=path_or_calibration)`` pins one: given the same calibration, the same
+inputs give the same plan (a path also receives the calls it lacked). Under
+``torch.distributed`` rank 0's calibration is broadcast to every rank before pricing, so all
+ranks price, and plan, alike (every rank must call ``plan``, as with any collective).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from planner.passes.op_timing import (
+    CheckpointOverhead,
+    DeviceTiming,
+    OpCall,
+    measure_call_overhead_s,
+    measure_checkpoint_overhead,
+    time_call,
+)
+from planner.passes.step import StepTime
+from planner.solvers.errors import PlannerError
+
+# A step whose calls add up to less than this is also timed whole (plain, checkpointed and
+# selective, a few interleaved rounds: well under a second), and its calls' times fitted to it:
+# on a small model the Python, autograd and policy costs around the calls are most of the step
+# and a stand-in chain prices them 20-40% off. Larger steps are priced from their calls alone.
+SMALL_STEP_S = 0.05
+
+CACHE_DIR_ENV = "PLANNER_CACHE_DIR"
+CACHE_ENV = "PLANNER_CACHE"  # "0" (or "false", "off", "no"): no disk cache
+DEFAULT_CACHE_DIR = Path("~/.cache/planner")
+FORMAT = "planner-calibration"
+VERSION = 1
+
+# How many measurements this process made, by kind ("ops": calls timed, "overheads": the
+# per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
+MEASUREMENTS: Counter[str] = Counter()
+
+
+class CalibrationError(PlannerError):
+    """A calibration file that cannot be read, or one made for another device."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What was measured about one device, for one torch version and dtype (module docstring).
+
+    ``op_times_s``: seconds per call by ``OpCall.key_text`` (None: the call did not run on
+    random tensors and is priced by the roofline). ``call_overhead_s``: what a training step
+    spends per aten call beyond the call itself. ``checkpoint``: a region's bookkeeping.
+    ``step_times_s``: small steps timed whole, by :func:`step_signature`: (forward, backward,
+    checkpointed whole, selective whole; the last two None where it could not be
+    checkpointed).
+    """
+
+    device: str
+    torch_version: str
+    dtype: str
+    call_overhead_s: float
+    checkpoint: CheckpointOverhead
+    op_times_s: Mapping[str, float | None] = field(default_factory=dict)
+    step_times_s: Mapping[str, tuple[float, float, float | None, float | None]] = field(
+        default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        # read-only: a calibration shared by plans must not change under them
+        object.__setattr__(self, "op_times_s", MappingProxyType(dict(self.op_times_s)))
+        steps = {k: tuple(v) for k, v in self.step_times_s.items()}
+        object.__setattr__(self, "step_times_s", MappingProxyType(steps))
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.device, self.torch_version, self.dtype)
+
+    def timing(self, source: str = "", step: str | None = None) -> DeviceTiming:
+        """The torch-free data the estimator prices with (``passes/op_timing.DeviceTiming``),
+        with the step of signature ``step`` if it was timed whole."""
+        timed = self.step_times_s.get(step) if step is not None else None
+        step_time = None if timed is None else StepTime(*timed)
+        return DeviceTiming(
+            self.op_times_s, self.call_overhead_s, self.checkpoint, source, step_time
+        )
+
+    def with_times(self, times_s: Mapping[str, float | None]) -> Calibration:
+        """This calibration with more calls; a call it already has keeps its figure."""
+        return replace(self, op_times_s={**times_s, **self.op_times_s})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "device": self.device,
+            "torch_version": self.torch_version,
+            "dtype": self.dtype,
+            "call_overhead_s": self.call_overhead_s,
+            "checkpoint": {
+                "region_s": self.checkpoint.region_s,
+                "per_saving_node_s": self.checkpoint.per_saving_node_s,
+                "per_selective_call_s": self.checkpoint.per_selective_call_s,
+            },
+            "op_times_s": dict(sorted(self.op_times_s.items())),
+            "step_times_s": {k: list(v) for k, v in sorted(self.step_times_s.items())},
+        }
+
+    @classmethod
+    def from_json(cls, body: Any, where: str = "the calibration") -> Calibration:
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise CalibrationError(f"{where} is not a planner calibration (no {FORMAT!r} format)")
+        if body.get("version") != VERSION:
+            raise CalibrationError(
+                f"{where} has calibration format version {body.get('version')!r}, this planner "
+                f"reads version {VERSION}; delete it and plan again to calibrate anew"
+            )
+        try:
+            ck = body["checkpoint"]
+            return cls(
+                device=str(body["device"]),
+                torch_version=str(body["torch_version"]),
+                dtype=str(body["dtype"]),
+                call_overhead_s=float(body["call_overhead_s"]),
+                checkpoint=CheckpointOverhead(
+                    float(ck["region_s"]),
+                    float(ck["per_saving_node_s"]),
+                    float(ck["per_selective_call_s"]),
+                ),
+                op_times_s={
+                    str(k): None if v is None else float(v) for k, v in body["op_times_s"].items()
+                },
+                step_times_s={
+                    str(k): tuple(None if x is None else float(x) for x in v)
+                    for k, v in body.get("step_times_s", {}).items()
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CalibrationError(
+                f"{where} is missing or has a malformed field ({e!r}); delete it and plan again "
+                f"to calibrate anew"
+            ) from None
+
+    def save(self, path: str | Path) -> None:
+        """Write this calibration as JSON (atomically: a reader never sees half a file)."""
+        _write_json(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        """Read a calibration written by :meth:`save` (CalibrationError if it is not one)."""
+        try:
+            body = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise CalibrationError(f"cannot read calibration {path}: {e}") from None
+        except ValueError as e:
+            raise CalibrationError(
+                f"{path} is not JSON ({e}); delete it to calibrate anew"
+            ) from None
+        return cls.from_json(body, str(path))
+
+
+def _write_json(path: Path, body: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, indent=0)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared (CI) calibration
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def device_name(device: torch.device) -> str:
+    """The name a calibration is kept under: the CUDA device's name, or the CPU's machine,
+    processor and thread count (CPU kernels' speed depends on the threads torch uses)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        cpu = platform.processor() or platform.machine()
+        return f"cpu:{cpu}:{torch.get_num_threads()} threads"
+    return device.type
+
+
+def cache_dir() -> Path | None:
+    """Where calibrations are kept on disk (``$PLANNER_CACHE_DIR``, default
+    ``~/.cache/planner``); None when ``PLANNER_CACHE=0`` turns the disk cache off."""
+    if os.environ.get(CACHE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def cache_path(key: tuple[str, str, str]) -> Path | None:
+    """The file of calibration ``key`` (device, torch version, dtype) in :func:`cache_dir`."""
+    where = cache_dir()
+    if where is None:
+        return None
+    slug = re.sub(r"[^A-Za-z0-9.+-]+", "_", "-".join(key)).strip("_")
+    return where / f"calibration-{slug}.json"
+
+
+# (device, torch version, dtype) -> the process's calibration
+_PROCESS: dict[tuple[str, str, str], Calibration] = {}
+
+
+def _read_quietly(path: Path | None) -> Calibration | None:
+    """The calibration at ``path``, or None when there is none or it is unreadable (a cache
+    that cannot be read is measured anew and rewritten, never an error)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        return Calibration.load(path)
+    except CalibrationError:
+        return None
+
+
+def _merged(ours: Calibration, theirs: Calibration | None) -> Calibration:
+    """``theirs`` (the file) with what only ``ours`` has: the first figure written wins."""
+    if theirs is None or theirs.key != ours.key:
+        return ours
+    steps = {**ours.step_times_s, **theirs.step_times_s}
+    return replace(theirs.with_times(ours.op_times_s), step_times_s=steps)
+
+
+def step_signature(calls: Sequence[OpCall]) -> str:
+    """A step's identity for its whole-step timing: its calls, in order."""
+    digest = hashlib.sha256()
+    for call in calls:
+        digest.update(call.key_text.encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:32]
+
+
+def _measure_new(device: torch.device, dtype: str) -> Calibration:
+    MEASUREMENTS["overheads"] += 1
+    return Calibration(
+        device=device_name(device),
+        torch_version=torch.__version__,
+        dtype=dtype,
+        call_overhead_s=measure_call_overhead_s(device),
+        checkpoint=measure_checkpoint_overhead(device),
+    )
+
+
+def _time_missing(calibration: Calibration, calls: Sequence[OpCall], device: torch.device):
+    new: dict[str, float | None] = {}
+    for call in calls:
+        text = call.key_text
+        if text in calibration.op_times_s or text in new:
+            continue
+        new[text] = time_call(call, device)
+        MEASUREMENTS["ops"] += 1
+    return new
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _broadcast(calibration: Calibration | None) -> Calibration:
+    """Rank 0's calibration, on every rank."""
+    import torch.distributed as dist
+
+    box = [calibration.to_json() if calibration is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Calibration.from_json(box[0], "rank 0's calibration")
+
+
+class CalibrationTimer:
+    """The ``op_timing.Timer`` a plan prices with: the calibration of the model's device (the
+    pinned one, the process's, the disk cache's or a new one), extended by the calls it lacks.
+
+    ``pinned``: a :class:`Calibration` or the path of one (created if missing; the calls it
+    lacked are written back to it); None: the process's and the disk cache's.
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        pinned: Calibration | str | Path | None = None,
+        step: Callable[[str], StepTime | None] | None = None,
+    ) -> None:
+        """``step(clock)``: time the model's step whole (``measurement.measured_step_time``),
+        done once per step signature and kept, if the step is small (SMALL_STEP_S)."""
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.pinned = pinned
+        self.step = step
+        self.used: Calibration | None = None
+        self.source = "this process's" if pinned is None else f"pinned ({pinned})"
+
+    def _start(self, device: torch.device) -> tuple[Calibration | None, Path | None]:
+        """The calibration to extend (None: measure one) and the file to write it to."""
+        key = (device_name(device), torch.__version__, self.dtype)
+        if isinstance(self.pinned, Calibration):
+            self._check(self.pinned, key, "the calibration given")
+            return self.pinned, None
+        if self.pinned is not None:
+            path = Path(self.pinned)
+            if not path.exists():
+                return None, path
+            found = Calibration.load(path)
+            self._check(found, key, str(path))
+            return found, path
+        path = cache_path(key)
+        found = _PROCESS.get(key)
+        if found is None:
+            found = _read_quietly(path)
+            if found is not None:
+                self.source = f"read from {path}"
+        return found, path
+
+    @staticmethod
+    def _check(calibration: Calibration, key: tuple[str, str, str], where: str) -> None:
+        """CalibrationError for a pinned calibration of another device or dtype: its times
+        would price this one wrongly. (Another torch version is allowed: pinning says keep.)"""
+        if (calibration.device, calibration.dtype) != (key[0], key[2]):
+            raise CalibrationError(
+                f"{where} calibrates {calibration.device} for {calibration.dtype}, this model "
+                f"runs on {key[0]} in {key[2]}; pin a calibration made on this device "
+                f"(planner.calibration.current(...).save(path)), or pass calibration=None"
+            )
+
+    def __call__(self, calls: Sequence[OpCall], device: torch.device) -> DeviceTiming:
+        distributed = _distributed()
+        import torch.distributed as dist
+
+        rank0 = not distributed or dist.get_rank() == 0
+        calibration = path = None
+        if rank0:
+            calibration, path = self._start(device)
+            if calibration is None:
+                calibration = _measure_new(device, self.dtype)
+                self.source = "measured now"
+            new = _time_missing(calibration, calls, device)
+            if new:
+                calibration = calibration.with_times(new)
+            signature = step_signature(calls)
+            timed = self._time_small_step(calibration, calls, device, signature)
+            if timed is not None:
+                steps = {**calibration.step_times_s, signature: timed}
+                calibration = replace(calibration, step_times_s=steps)
+            if path is not None and (new or timed is not None or not path.exists()):
+                calibration = _merged(calibration, _read_quietly(path))
+                try:
+                    calibration.save(path)
+                except OSError:
+                    pass  # a read-only cache: this process keeps it all the same
+            if new:
+                self.source += f", {len(new)} calls timed now"
+        else:
+            signature = step_signature(calls)
+        if distributed:
+            calibration = _broadcast(calibration)
+            self.source = "rank 0's, broadcast"
+        assert calibration is not None
+        if not isinstance(self.pinned, Calibration):
+            _PROCESS[calibration.key] = calibration
+        self.used = calibration
+        return calibration.timing(f"{calibration.device}, {self.source}", signature)
+
+    def _time_small_step(
+        self,
+        calibration: Calibration,
+        calls: Sequence[OpCall],
+        device: torch.device,
+        signature: str,
+    ) -> tuple[float, float, float | None, float | None] | None:
+        """The step timed whole, if it is small, has not been yet, and can be."""
+        if self.step is None or device.type != "cpu" or signature in calibration.step_times_s:
+            return None
+        alone_s = sum(calibration.op_times_s.get(c.key_text) or 0.0 for c in calls)
+        if alone_s >= SMALL_STEP_S:
+            return None
+        # the clock the op times were taken by (passes/op_timing.clock)
+        timed = self.step("cpu" if torch.get_num_threads() == 1 else "wall")
+        if timed is None:
+            return None
+        MEASUREMENTS["steps"] += 1
+        return (timed.forward_s, timed.backward_s, timed.checkpointed_s, timed.selective_s)
+
+
+def current(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Calibration:
+    """The calibration this process holds for ``device`` and ``dtype`` (from the disk cache, or
+    measured now without any op): to save, or to pin with ``plan(..., calibration=...)``.
+    Under ``torch.distributed`` a collective (rank 0's is broadcast): call it on every rank."""
+    device = torch.device(device)
+    timer = CalibrationTimer(dtype)
+    timer([], device)
+    assert timer.used is not None
+    return timer.used
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's calibration is kept under: its first floating parameter's."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def forget() -> None:
+    """Drop this process's calibrations (the disk cache stays): the next plan reads the disk
+    cache, or measures."""
+    _PROCESS.clear()
+
+
+# ------------------------------------------------------------------------- priced models
+
+# A plan prices its model's step once (a fake-tensor trace, the calibration's times); a later
+# plan of the same model and input shapes in this process (another budget, solver or objective)
+# reuses that pricing. Kept for the last few models, by what the pricing depends on.
+_PRICED: dict[tuple, tuple[Any, Any]] = {}
+PRICED_KEEP = 8
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        # integer and boolean inputs (token ids, masks) steer the path the model takes
+        # (transformers skips an all-ones mask), so their values are part of the key
+        values = (
+            hash(x.detach().cpu().numpy().tobytes())
+            if not x.is_floating_point() and x.device.type != "meta" and x.numel() <= 1 << 20
+            else None
+        )
+        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad, values)
+    return x if isinstance(x, (int, float, bool, str, type(None))) else ("id", id(x))
+
+
+def pricing_key(
+    model: torch.nn.Module, example_input: Any, pinned: Calibration | str | Path | None, *extra: Any
+) -> tuple | None:
+    """What a model's pricing depends on: the model (its module tree, parameters' and buffers'
+    shapes and dtypes, wrapped forwards, training mode), the input's shapes, the calibration,
+    autocast and ``extra`` (loss function, device profile, form...). None under
+    ``torch.distributed``, where every rank prices (a collective) rather than some reusing."""
+    if _distributed():
+        return None
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(example_input)
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    state = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in tensors)
+    modules = tuple(
+        (path, type(m).__name__, m.training, "forward" in m.__dict__)
+        for path, m in model.named_modules()
+    )
+    if isinstance(pinned, Calibration):
+        calibration: Any = ("object", id(pinned))
+    elif pinned is not None:
+        calibration = ("path", str(Path(pinned).resolve()))
+    else:
+        calibration = None
+    autocast = tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+    return (
+        id(model),
+        modules,
+        state,
+        str(spec),
+        tuple(_spec(x) for x in leaves),
+        calibration,
+        autocast,
+        torch.get_num_threads(),
+        *extra,
+    )
+
+
+def reuse_priced(key: tuple | None, model: torch.nn.Module, make: Any) -> Any:
+    """``make()``'s pricing of ``model``, or the one made earlier for the same ``key``."""
+    import weakref
+
+    if key is None:
+        return make()
+    found = _PRICED.get(key)
+    if found is not None and found[0]() is model:
+        return found[1]
+    priced = make()
+    _PRICED.pop(key, None)
+    _PRICED[key] = (weakref.ref(model), priced)
+    while len(_PRICED) > PRICED_KEEP:
+        _PRICED.pop(next(iter(_PRICED)))
+    return priced

@@ -1,0 +1,223 @@
+"""A device's calibration (planner/calibration.py): measured once, reused by every later plan in
+the process and from disk, pinned with ``plan(..., calibration=...)``, one for all ranks.
+
+Counts come from ``calibration.MEASUREMENTS`` (calls timed, overhead fits made); every test
+keeps its calibrations under ``tmp_path`` through ``PLANNER_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import planner
+from benchmarks.models import GPT, GPTConfig, gpt_example
+from planner import calibration
+from planner.calibration import MEASUREMENTS, Calibration, CalibrationError
+from planner.fsdp import per_rank
+from planner.passes.eager import eager_graph
+from planner.solvers.costgraph import Schedule
+from planner.solvers.simulate import simulate
+
+CFG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=64, dropout=0.0)
+BUDGET_GB = 3e-4  # between the least (0.23 MB) and eager peak (0.37 MB) at batch 2
+
+
+def _example(batch: int = 2):
+    return gpt_example(CFG, batch=batch, seed=0)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh process (no calibration held, no pricing kept) with its cache under tmp_path."""
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PLANNER_CACHE", raising=False)
+    _fresh_process()
+    yield tmp_path / "cache"
+    _fresh_process()
+
+
+def _fresh_process() -> None:
+    calibration.forget()
+    calibration._PRICED.clear()
+
+
+def _fingerprint(p) -> tuple:
+    """What must agree between two plans for them to be the same plan."""
+    return (
+        tuple((r.name, r.kind, r.depth, r.saved_nodes) for r in p.regions),
+        p.predicted_peak_bytes,
+        p.predicted_step_time_s,
+    )
+
+
+def test_a_second_plan_measures_nothing_new(cache):
+    model, x = _example()
+    before = dict(MEASUREMENTS)
+    first = planner.plan(model, x, BUDGET_GB, form="inplace")
+    timed = MEASUREMENTS["ops"] - before.get("ops", 0)
+    assert timed > 0 and MEASUREMENTS["overheads"] == before.get("overheads", 0) + 1
+    counts = dict(MEASUREMENTS)
+    # another budget, another objective: the same pricing, nothing timed
+    planner.plan(model, x, 2 * BUDGET_GB, form="inplace")
+    planner.plan(model, x, BUDGET_GB, form="inplace", objective="flops")
+    assert dict(MEASUREMENTS) == counts
+    # priced again from scratch (the trace), the process's calibration still has every call
+    calibration._PRICED.clear()
+    again = planner.plan(model, x, BUDGET_GB, form="inplace")
+    assert dict(MEASUREMENTS) == counts
+    assert _fingerprint(again) == _fingerprint(first)
+    assert "this process's" in again.graph.meta["timing"]
+    # another batch size: only the calls on new shapes are timed, fewer than the first time
+    planner.plan(model, _example(batch=3)[1], 1.5 * BUDGET_GB, form="inplace")
+    assert 0 < MEASUREMENTS["ops"] - counts["ops"] < timed
+    assert MEASUREMENTS["overheads"] == counts["overheads"]
+
+
+def test_graph_form_prices_from_the_same_calibration(cache):
+    model, x = _example()
+    planner.plan(model, x, BUDGET_GB, form="inplace")
+    counts = dict(MEASUREMENTS)
+    p = planner.plan(model, x, BUDGET_GB, form="graph")
+    # the graph form's captured ops are mostly the eager ones: few new calls, no new fit
+    assert MEASUREMENTS["overheads"] == counts["overheads"]
+    assert MEASUREMENTS["ops"] - counts["ops"] < counts["ops"]
+    assert p.graph.meta["timing"].startswith("ops timed alone")
+
+
+def test_on_disk_round_trip(cache):
+    model, x = _example()
+    before = MEASUREMENTS["ops"]
+    first = planner.plan(model, x, BUDGET_GB, form="inplace")
+    files = list(cache.glob("calibration-*.json"))
+    assert len(files) == 1
+    held = calibration._PROCESS[next(iter(calibration._PROCESS))]
+    loaded = Calibration.load(files[0])
+    assert loaded == held and len(loaded.op_times_s) == MEASUREMENTS["ops"] - before
+    assert loaded.device == calibration.device_name(torch.device("cpu"))
+    assert loaded.torch_version == torch.__version__ and loaded.dtype == "float32"
+    # a new process (nothing held): read from disk, nothing measured, the same plan
+    _fresh_process()
+    counts = dict(MEASUREMENTS)
+    second = planner.plan(model, x, BUDGET_GB, form="inplace")
+    assert dict(MEASUREMENTS) == counts
+    assert "read from" in second.graph.meta["timing"]
+    assert _fingerprint(second) == _fingerprint(first)
+
+
+def test_the_first_figure_written_wins(cache):
+    """Two processes that timed the same call keep the file's figure: both price alike."""
+    model, x = _example()
+    planner.plan(model, x, BUDGET_GB, form="inplace")
+    (path,) = cache.glob("calibration-*.json")
+    on_disk = Calibration.load(path)
+    text = next(iter(on_disk.op_times_s))
+    ours = dataclasses.replace(on_disk, op_times_s={text: 123.0, "new call": 1.0})
+    merged = calibration._merged(ours, on_disk)
+    assert merged.op_times_s[text] == on_disk.op_times_s[text]
+    assert merged.op_times_s["new call"] == 1.0
+
+
+def test_cache_off_writes_nothing(cache, monkeypatch):
+    monkeypatch.setenv("PLANNER_CACHE", "0")
+    assert calibration.cache_dir() is None
+    model, x = _example()
+    before = MEASUREMENTS["ops"]
+    planner.plan(model, x, BUDGET_GB, form="inplace")
+    assert MEASUREMENTS["ops"] > before
+    assert not cache.exists() or not any(cache.iterdir())
+    # the process still keeps what it measured
+    counts = dict(MEASUREMENTS)
+    calibration._PRICED.clear()
+    planner.plan(model, x, BUDGET_GB, form="inplace")
+    assert dict(MEASUREMENTS) == counts
+
+
+def test_a_pinned_calibration_gives_the_same_plan(cache, tmp_path):
+    model, x = _example()
+    pinned_path = tmp_path / "pinned.json"
+    first = planner.plan(model, x, BUDGET_GB, form="inplace", calibration=pinned_path)
+    assert pinned_path.exists()  # created, with every call the plan needed
+    pinned = Calibration.load(pinned_path)
+    plans = []
+    for _ in range(3):
+        _fresh_process()
+        counts = dict(MEASUREMENTS)
+        plans.append(planner.plan(model, x, BUDGET_GB, form="inplace", calibration=pinned))
+        assert dict(MEASUREMENTS) == counts  # it had every call: nothing timed
+    assert {_fingerprint(p) for p in plans} == {_fingerprint(first)}
+    # its figures are the ones priced with: a slower device gives a slower step
+    slower = dataclasses.replace(
+        pinned, op_times_s={k: None if v is None else 2 * v for k, v in pinned.op_times_s.items()}
+    )
+    slow = planner.plan(model, x, BUDGET_GB, form="inplace", calibration=slower)
+    assert slow.baseline_peak_bytes == first.baseline_peak_bytes
+    eager_s = first.graph.step_time_s
+    assert slow.graph.step_time_s > 1.5 * eager_s
+
+
+def test_a_bad_calibration_is_a_clear_error(cache, tmp_path):
+    model, x = _example()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CalibrationError, match="not JSON"):
+        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
+    bad.write_text(json.dumps({"format": "planner-calibration", "version": 1}))
+    with pytest.raises(CalibrationError, match="malformed field"):
+        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
+    other = dataclasses.replace(calibration.current(), device="cuda:NVIDIA H100")
+    with pytest.raises(CalibrationError, match="pin a calibration made on this device"):
+        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=other)
+    assert issubclass(CalibrationError, planner.PlannerError)
+
+
+# --- two ranks, gloo --------------------------------------------------------------------------
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        x = _example(batch=2)[1]  # each rank's micro-batch
+        # every rank plans (each plan is a collective: rank 0's calibration is broadcast)
+        planner.plan(model, x, BUDGET_GB, form="inplace")
+        if rank == 1:
+            # This rank's own calibration disagrees: every op three times slower. It must
+            # still price, and plan, with rank 0's.
+            key = next(iter(calibration._PROCESS))
+            held = calibration._PROCESS[key]
+            calibration._PROCESS[key] = dataclasses.replace(
+                held, op_times_s={k: v and 3 * v for k, v in held.op_times_s.items()}
+            )
+        config = planner.FSDPConfig(world_size=world, backend="gloo")
+        # 80% of the rank's unplanned peak (priced without timing: no collective)
+        unplanned = per_rank(model, eager_graph(model, x), config)
+        budget_gb = 0.8 * simulate(unplanned.graph, Schedule()).peak_bytes / 1e9
+        p = planner.plan(model, x, budget_gb, form="inplace", fsdp=config)
+        mine = (_fingerprint(p), p.graph.meta["timing"])
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        torch.save(everyone, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_holds_the_same_plan(tmp_path, monkeypatch):
+    # no disk cache: rank 1 cannot read rank 0's file, only receive it
+    monkeypatch.setenv("PLANNER_CACHE", "0")
+    world = 2
+    out = str(tmp_path / "plans")
+    mp.spawn(_rank, args=(world, f"file://{tmp_path}/init", out), nprocs=world, join=True)
+    for rank in range(world):
+        everyone = torch.load(f"{out}.{rank}")
+        (plan0, timing0), (plan1, timing1) = everyone
+        assert plan0 == plan1
+        assert plan0[0], "the budget should need checkpointing"
+        assert "rank 0's, broadcast" in timing0 and "rank 0's, broadcast" in timing1

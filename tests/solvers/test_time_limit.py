@@ -1,0 +1,48 @@
+"""One time limit shared by several solves (``registry.SharedTimeLimit``): the capped
+objective's solves together stay within the solver's one limit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from planner.solvers import registry
+from planner.solvers.costgraph import Schedule
+from planner.solvers.registry import MIN_SHARE_S, SharedTimeLimit, solve
+from planner.solvers.simulate import simulate
+from tests.solvers.test_objective import _chain_with_unrelated_times
+
+
+def test_shares_split_what_is_left_and_only_solves_spend_it():
+    limit = SharedTimeLimit(10.0)
+    assert limit.share_s(4) == pytest.approx(2.5)
+    time.sleep(0.05)  # outside a solve: not charged
+    assert limit.left_s == 10.0
+    with limit.solving():
+        time.sleep(0.05)
+    assert 9.9 < limit.left_s < 9.95 + 0.04
+    assert limit.share_s(1) == pytest.approx(limit.left_s)
+    limit.left_s = -1.0  # past the limit, a solve still gets a moment to answer
+    assert limit.share_s(3) == MIN_SHARE_S
+
+
+def test_the_capped_objective_gives_its_solves_shares_of_one_limit(monkeypatch):
+    graph = _chain_with_unrelated_times(0, 6)
+    budget = simulate(graph, Schedule()).peak_bytes - 1
+    limits: list[float] = []
+    dp = registry.get_solver("dp")
+
+    def spy(g, b, options=None, **opts):
+        limits.append(opts["time_limit_s"])
+        return dp(g, b, options, **opts)
+
+    spy.options = dp.options
+    monkeypatch.setitem(registry.SOLVERS, "dp", spy)
+    schedule = solve(graph, budget, "dp", max_recompute_flops_fraction=0.1, time_limit_s=5.0)
+    assert "sharing one time limit" in schedule.note
+    assert len(limits) >= 2
+    assert limits[0] == pytest.approx(5.0 / (2 + registry.CAP_SEARCH_STEPS), rel=0.01)
+    # each solve may take at most an equal share of what is left of the one limit
+    solves = 2 + registry.CAP_SEARCH_STEPS
+    assert all(t <= 5.0 / (solves - k) + 1e-9 for k, t in enumerate(limits))
