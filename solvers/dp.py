@@ -408,6 +408,12 @@ class _Programme:
         self.last_save = [-1] * (p.n + 1)
         for i, saves in enumerate(p.rule5_saves or ()):
             self.last_save[i + 1] = i if saves else self.last_save[i]
+        # See simulate's Rule 4: a recomputation of a region ending at b runs once the backward
+        # of the nodes after its last save is done: its forward's gradients, relative to b's.
+        self.trig_grad = [
+            p.grad_after_rel(self.last_save[b] + 1, b) if self.last_save[b] >= 0 else 0
+            for b in range(p.n + 1)
+        ]
         self._bwd_max: dict[tuple[int, int], int] = {}
         # Per node, for :meth:`run`: the storages whose last reader or saver it is, the bytes it
         # allocates, and those of them it saves.
@@ -610,7 +616,8 @@ class _Programme:
         reached = j
         if self.early_stop:
             reached = self.last_save[j] if self.last_save[j] >= c else -1
-        inner = region_peak(p, c, j, keep_set, reached, p.stash) - p.grad_after[j]
+        trigger = max(reached, c - 1) if self.early_stop else None  # Rule 4
+        inner = region_peak(p, c, j, keep_set, reached, p.stash, trigger) - p.grad_after[j]
         own_kept, own_nxt = 0, []
         for i in range(c, j):
             for t in p.produced[i]:
@@ -710,7 +717,7 @@ class _Programme:
         if root:
             return ("root", c, crossing, d)
         cross = tuple((self._tensor_sig(t, c, b), kept) for t, kept in crossing)
-        return (self.suffix_id(c, b), cross, whole_ok, d)
+        return (self.suffix_id(c, b), cross, whole_ok, d, self.trig_grad[b])
 
     # -- the recursion -----------------------------------------------------------------------
     def step(
@@ -737,7 +744,7 @@ class _Programme:
             own = tuple(t for t in own if not p.after_last_save[t])
         fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
         # a recomputation runs with fork_rng's copy of the stash it restored (Rule 12)
-        fwd += p.held_fwd[i] if root else p.stash
+        fwd += p.held_fwd[i] if root else p.stash + self.trig_grad[b]  # Rule 4
         bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i] + fetched
         bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
@@ -780,10 +787,11 @@ class _Programme:
                 here = tuple(sorted(cross.items()))
                 more, kept_more, after = self.step(i, b, here, root, partial=True)
                 kept_more += sum(p.size[t] for t, kept in after if kept is True)
-                tail = kept_bytes + kept_more + self.bwd_max(i + 1, b)
+                # Rule 4: the nodes after the last save ran their backward before it
+                tail = self.bwd_max(i + 1, b)
                 stopped = max(need, kept_bytes + more, tail)
             fwd = cross_bytes + self.own_bytes[i] + p.fwd_temp[i]
-            fwd += p.held_fwd[i] if root else 0
+            fwd += p.held_fwd[i] if root else self.trig_grad[b]  # Rule 4
             bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
             bwd += held_bytes + self.own_saved_bytes[i]
             for t in saves:
@@ -861,7 +869,7 @@ class _Programme:
             choice[stopped:] = len(options) - 1
             best[stopped:] = run_s(last_save + 1) - run_s(c)
         if last_save < c:  # nothing left saves: the recomputation stopped before c
-            stopped = sum(p.size[t] for t, kept in crossing if kept is True) + self.bwd_max(c, b)
+            stopped = self.bwd_max(c, b)  # Rule 4: their backward ran before it
             if stopped < size:
                 options.append(("stop",))
                 choice[stopped:] = len(options) - 1
@@ -888,6 +896,7 @@ class _Programme:
                 if j == b and not whole_ok:
                     break
                 fwd = cross_bytes + peaks[j - 1 - c] + p.stash
+                fwd += 0 if root else self.trig_grad[b]  # Rule 4
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
                 held, inner_crossing, args = self.child_args(j, crossing_kept, info, root)
@@ -899,9 +908,10 @@ class _Programme:
                     # arguments), so the recomputation stops before it; the nodes after it run
                     # only their backward, with the child's arguments still alive (Rule 3).
                     inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
-                    kept = sum(p.size[t] for t, k in crossing if k is True)
                     v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
-                    v[: kept + args + self.bwd_max(j, b)] = INF
+                    # Rule 4: the nodes after the child run their backward before this
+                    # recomputation, with nothing of it alive
+                    v[: self.bwd_max(j, b)] = INF
                     better = v < best
                     if better.any():
                         options.append(("region", c, j, inner_key, inner_shift, None, 0))

@@ -54,6 +54,7 @@ from planner.solvers.simulate import (
     offload_time_s,
     region_peak,
     simulate,
+    trigger_node,
 )
 
 FULL_NODES = 40  # up to this many nodes every interval is a candidate
@@ -284,7 +285,10 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
     for k, r in enumerate(regions):
         if r.kind == "offload":
             continue
-        own = region_peak(p, r.start, r.stop)
+        # Rule 4 (the trailing nodes' backward first) exactly; Rule 5 not: recomputed to the
+        # region's end, on the safe side
+        trigger = None if p.rule5_saves is None else trigger_node(p.rule5_saves, r.start, r.stop)
+        own = region_peak(p, r.start, r.stop, trigger=trigger)
         coef = {fin[r.stop]: 1.0}
         for t in crossing[r.stop]:
             if p.producer[t] < r.start:

@@ -19,9 +19,14 @@ Rule 3. Nested arguments. The arguments of a region nested in a recomputation ar
         again for each region nested in it that reads it, so a storage read two or more
         levels down lives until the last of those recomputations ends (or, when a node in one
         of them saves it, until that region's backward ends).
-Rule 4. Backward runs in reverse node order. On reaching a region's last node, its forward runs
-        again (nested regions inside it stay checkpointed; the region outputs it recomputes live
-        until that recomputation ends) and its backward follows. Each node's backward allocates
+Rule 4. Backward runs in reverse node order. A region's forward runs again when backward first
+        unpacks something the region saved: at its last node that saves for backward (at any
+        depth: a nested region's saving node recomputes the nested region, which unpacks its
+        arguments from the parent first; :func:`trigger_node`). The backward of the nodes after
+        that one (trailing nodes that saved nothing: a slice, a scale, a residual add) runs
+        before the recomputation, with nothing of the region's recomputed yet. Nested regions
+        inside it stay checkpointed; the region outputs it recomputes live until that
+        recomputation ends; the backward of the rest follows. Each node's backward allocates
         the gradients of the storages it read, its parameter gradients (kept to the end of the
         step) and a temporary working set, then frees the gradient of its own output and what
         it alone still held (:func:`gradient_bytes`).
@@ -218,6 +223,7 @@ class _Replay:
         self.offload_bytes = 0
         self.offloaded: dict[Region, int] = {}  # offload region -> bytes it sent to host
         self.fetches: dict[tuple, list[int]] = {}  # (ctx, node) -> offloaded bytes it reads
+        self.bwd_done: set[int] = set()  # nodes whose backward has run
 
     # -- bookkeeping -------------------------------------------------------------------------
     def apply_changes(self, after: tuple[str, int]) -> None:
@@ -465,25 +471,41 @@ class _Replay:
         children = self.children(ctx)
         i = stop - 1
         while i >= start:
+            if i in self.bwd_done:  # a trailing node of a region, run before its recomputation
+                i -= 1
+                continue
             region = self._owner(i, children)
             if region is not None and region.kind != "offload":
                 self.parent[region] = ctx
+                for j in range(i, self._trigger(region), -1):  # Rule 4: trailing nodes first
+                    if j not in self.bwd_done:
+                        self._node_backward(ctx, j, label)
                 self.forward(region, "recompute")
                 self.backward(region)
                 self._release_at(ctx, ("region_end", region))
                 self._release_at(ROOT, ("stash_end", region))  # Rule 12
                 i = region.start - 1
                 continue
-            node = self.g.nodes[i]
-            self.live_bytes += self.grad_alloc[i]  # gradients and parameter gradients
-            fetched = sum(self.fetches.pop((ctx, i), ()))  # offloaded storages come back
-            self._mark(f"{label}:{node.name}", node.bwd_temp_bytes + fetched)
-            self.live_bytes -= self.grad_free[i]
-            self._release_at(ctx, ("bwd", i))
-            self.apply_changes(("bwd", i))
+            self._node_backward(ctx, i, label)
             if region is not None and i == region.start:
                 self._release_at(ctx, ("region_end", region))  # an offload region's inputs
             i -= 1
+
+    def _node_backward(self, ctx: Region, i: int, label: str) -> None:
+        node = self.g.nodes[i]
+        self.live_bytes += self.grad_alloc[i]  # gradients and parameter gradients
+        fetched = sum(self.fetches.pop((ctx, i), ()))  # offloaded storages come back
+        self._mark(f"{label}:{node.name}", node.bwd_temp_bytes + fetched)
+        self.live_bytes -= self.grad_free[i]
+        self._release_at(ctx, ("bwd", i))
+        self.apply_changes(("bwd", i))
+        self.bwd_done.add(i)
+
+    def _trigger(self, region: Region) -> int:
+        """See Rule 4: the node whose backward recomputes ``region``."""
+        if self.saves is None:
+            return region.stop - 1
+        return trigger_node(self.saves, region.start, region.stop)
 
 
 def offload_fetch_bytes(graph: CostGraph, start: int, stop: int) -> dict[int, int]:
@@ -528,6 +550,17 @@ def rule5_saves(graph: CostGraph) -> tuple[bool, ...] | None:
     return saves if any(saves) else None
 
 
+def trigger_node(saves: Sequence[bool], start: int, stop: int) -> int:
+    """See Rule 4: the node in [start, stop) whose backward first unpacks what a region over
+    it saved, so recomputes it: its last node that saves for backward, nested regions' nodes
+    included (``start - 1`` when none does: nothing unpacks, the backward of every node runs as
+    if the region were not there)."""
+    for i in range(stop - 1, start - 1, -1):
+        if saves[i]:
+            return i
+    return start - 1
+
+
 def stop_node(graph: CostGraph, region: Region, children: list[Region]) -> tuple[int, bool]:
     """See Rule 5: where ``region``'s recomputation stops, given the regions nested one level
     inside it (``children``): (its last node, whether that node stops part-way, after its last
@@ -561,6 +594,7 @@ class RegionPrices(Protocol):
     bwd_temp: Sequence[int]
     grad_at_bwd: Sequence[int]  # gradient bytes at node i's backward (Rule 4)
     grad_after: Sequence[int]  # the same once node i's backward is done (index n: none done)
+    after_last_save: Sequence[bool]  # per storage: allocated after its producer's last save
 
 
 def region_peak(
@@ -570,6 +604,7 @@ def region_peak(
     keep: Collection[int] = (),
     reached: int | None = None,
     recompute_extra: int = 0,
+    trigger: int | None = None,
 ) -> int:
     """Peak of region [start, stop)'s recomputation and backward, with nothing nested in it and
     recomputed to its end, above what the rest of the step keeps meanwhile (gradient buffers
@@ -581,8 +616,15 @@ def region_peak(
     outputs back, which then live as recomputed ones (to their last recomputed reader, or from
     the backward of their first saver in the region on); the others stay to the region's end.
     ``recompute_extra``: bytes held while the recomputation runs, not in backward (Rule 12's
-    fork_rng copy)."""
+    fork_rng copy). ``trigger``: the node whose backward recomputes the region (Rule 4,
+    :func:`trigger_node`): the backward of the nodes after it runs first, at their own
+    gradients with only the kept nodes' cache alive, and the recomputation, at the gradients
+    left once they are done, stops after the trigger's last save (Rule 5). None (graphs
+    without save flags): its last node, recomputed whole."""
     reached = stop if reached is None else reached
+    partial = trigger is not None  # Rule 5: the trigger stops after its last save
+    trigger = stop - 1 if trigger is None else trigger
+    recomputed = min(stop, trigger + 1)
     inside = [t for i in range(start, stop) for t in p.produced[i]]
     saved_in = {t: [s for s in p.savers[t] if start <= s < stop] for t in inside}
     # the last recomputed reader; kept nodes do not run again
@@ -593,12 +635,13 @@ def region_peak(
     held_whole = {t for i in keep if start <= i < stop and i >= reached for t in p.produced[i]}
     fwd_peak = live = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
     ends: dict[int, int] = {}
-    for i in range(start, stop):
+    for i in range(start, recomputed):  # what a reader past the stop reads stays (Rule 5)
+        made = [t for t in p.produced[i] if not (partial and i == trigger and p.after_last_save[t])]
         if i not in keep:
-            for t in p.produced[i]:
+            for t in made:
                 live += p.size[t]
             fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
-        for t in p.produced[i]:
+        for t in made:
             if not saved_in[t] and t not in held_whole:  # else it stays for the backward
                 ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
         live -= ends.pop(i, 0)
@@ -609,11 +652,14 @@ def region_peak(
             from_node[0] += p.size[t]
         elif saved_in[t]:
             from_node[min(saved_in[t]) - start] += p.size[t]
+    cached = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
     bwd_peak, held = 0, 0
     for i in range(start, stop):
         held += from_node[i - start]
-        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + held)
-    return max(bwd_peak, p.grad_after[stop] + fwd_peak + recompute_extra)
+        # Rule 4: a node after the trigger runs its backward before the recomputation
+        alive = held if i <= trigger else cached
+        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + alive)
+    return max(bwd_peak, p.grad_after[trigger + 1] + fwd_peak + recompute_extra)
 
 
 def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:

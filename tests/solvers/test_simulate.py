@@ -374,21 +374,24 @@ def stopping_nest(region_state_bytes: int) -> CostGraph:
 
 
 def test_a_recomputation_stopping_at_a_nested_region_holds_what_comes_after_and_its_stash():
-    # Outer region [0, 5), n3 nested in it. The outer recomputation's last save is the nested
-    # region's argument t2, so it stops there (Rule 5), before n3 and n4. t0 has a reader past
-    # the stop (n4): it is still a variable of the interrupted forward and lives to the
-    # recomputation's end (recompute:n2 holds t0 + t1 + t2 = 60, not 50). The nested call has
-    # stashed its RNG state when it saves t2 (Rule 12): 4 B more at the stop ("recompute:n3").
+    # Outer region [0, 5), n3 nested in it. n4 saves nothing, so its backward runs before
+    # anything recomputes (Rule 4), leaving the gradients of t3 and t0 (50). n3's backward
+    # then recomputes the nested region, whose argument t2 the outer recomputation gives: its
+    # last save, so it stops there (Rule 5), before n3 and n4. t0 has a reader past the stop
+    # (n4): it is still a variable of the interrupted forward and lives to the recomputation's
+    # end (recompute:n2 holds 50 + t0 + t1 + t2 = 110, not 100). The nested call has stashed
+    # its RNG state when it saves t2 (Rule 12): 4 B more at the stop ("recompute-stash:n3").
     schedule = [Region(0, 5), Region(3, 4, 1)]
-    assert ("recompute:n2", 60) in run(schedule, stopping_nest(0)).timeline
+    assert ("recompute:n2", 110) in run(schedule, stopping_nest(0)).timeline
     sim = run(schedule, stopping_nest(4))
-    assert sim.timeline[5:9] == (
-        ("recompute:n0", 22),  # t0, and three stashes: the outer's, the nested one's, fork_rng's
-        ("recompute:n1", 42),  # + t1
-        ("recompute:n2", 72),  # + t2
-        ("recompute-stash:n3", 76),  # + the nested call's new stash, as the recomputation stops
+    assert sim.timeline[5:10] == (
+        ("bwd:n4", 50 + 8),  # the two first-forward stashes, the outer's and the nested one's
+        ("recompute:n0", 50 + 22),  # t0, and three stashes: those two and fork_rng's
+        ("recompute:n1", 50 + 42),  # + t1
+        ("recompute:n2", 50 + 72),  # + t2
+        ("recompute-stash:n3", 50 + 76),  # + the nested call's new stash, as it stops
     )
-    # At the recomputation's end t0, fork_rng's copy and the new stash go; t1 (n2 saves it),
-    # t2 (the nested region's argument, Rule 3) and the two first-forward stashes stay, and
-    # n4's backward adds the gradients of t3 and t0.
-    assert sim.timeline[9] == ("bwd:n4", 20 + 30 + 8 + 40 + 10)
+    # At the outer recomputation's end t0, fork_rng's copy and the new stash go; t1 (n2 saves
+    # it), t2 (the nested region's argument, Rule 3) and the two first-forward stashes stay;
+    # the nested recomputation adds t3 and its own fork_rng copy.
+    assert sim.timeline[10] == ("recompute:n3", 50 + 20 + 30 + 8 + 40 + 4)

@@ -1,0 +1,219 @@
+"""The budget is a promise (issue 21): plans that measured over their prediction, and over the
+budget, before their cause was found.
+
+- A tiny Hugging Face Llama planned in place at 31% and 35% of its eager peak: its nested
+  regions (``layers.0`` holding ``layers.0.self_attn``) measured 1,798,280 B against
+  1,652,232 B predicted (1.07x the budget) and 1,942,472 B against 1,876,424 B (1.02x).
+  The cause: Hugging Face passes a decoder layer's tensors to its attention as keywords
+  (``self_attn(hidden_states=...)``), and ``torch.utils.checkpoint`` holds keyword arguments in
+  its frame (the recomputation's closure) instead of saving them through its parent's hooks, so
+  a nested region's keyword tensors lived from its forward to the end of its backward.
+  Applied plans now pass every tensor argument positionally (``planner/inplace.py``).
+- Every checkpointed decoder layer measured 512 B over: it is passed ``position_ids`` that no
+  op in it reads, which the checkpoint saves all the same (simulate's Rule 2). The eager
+  pricing now counts a storage passed to a module call as read by it (``passes/eager.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner.devices import device_profile
+from planner.inplace import build_inplace_plan, price_inplace
+from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.registry import solve
+from planner.solvers.simulate import simulate
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # tiny configs only; a download would be a bug
+
+WIDTH, ROWS = 64, 256  # one activation: 64 KiB
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, *, hidden: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(hidden)) * scale
+
+
+class Layer(nn.Module):
+    """Calls its child with keyword tensors made inside the layer, and is passed a tensor it
+    never reads (``unused``), as Hugging Face decoder layers are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.attn = Attn()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, unused: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.lin(torch.relu(self.attn(hidden=h, scale=torch.sigmoid(h))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(x.shape[0] * 4)  # passed to each layer, read by none
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, unused=ids)
+        return h
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize(
+    "paths",
+    [
+        (("layers.1", 0), ("layers.1.attn", 1)),  # keyword tensors of a nested region
+        (("layers.0", 0), ("layers.2", 0)),  # a tensor passed, never read
+    ],
+)
+def test_keyword_and_unread_arguments_are_priced_as_measured(paths) -> None:
+    """Before the fix the nest measured 1,022,088 B against 916,616 B predicted (the keyword
+    tensors held by the nested checkpoint's frame), the two layers 891,016 B against 882,824 B
+    (``ids``, 8,192 B, saved by the checkpoints though no op reads it)."""
+    x = torch.randn(ROWS, WIDTH)
+    eg = price_inplace(_net(), x, device=device_profile("cpu"))
+    span = {path: s for s, path in eg.spans.items()}
+    schedule = Schedule(tuple(Region(*span[p], depth=d) for p, d in paths))
+    model = _net()
+    p = build_inplace_plan(model, eg, schedule, 10**9)
+    p.apply(model)
+    measured = planner.measure(model, x).peak_bytes
+    assert measured == p.predicted_peak_bytes
+    # same gradients as the model without regions
+    ref = _net()
+    ref(x).sum().backward()
+    model.zero_grad()
+    model(x).sum().backward()
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+# --- the tiny Llama of the issue ---------------------------------------------------------------
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).train()
+
+
+@pytest.fixture(scope="module")
+def llama_priced():
+    torch.manual_seed(1)
+    ids = torch.randint(3, 64, (4, 64))
+    mask = torch.ones(4, 64, dtype=torch.long)
+    mask[1, 48:] = 0  # one padded row: the attention mask is materialised
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    # roofline prices (the "cpu" profile): the same plans on every run
+    eg = price_inplace(_llama(), batch, device=device_profile("cpu"))
+    return eg, batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("share", "objective"), [(0.31, "time"), (0.31, "flops"), (0.35, "time"), (0.35, "flops")]
+)
+def test_llama_nested_plans_keep_their_budget(llama_priced, share, objective) -> None:
+    """Before: 1,798,280 B measured at 31% (1,652,232 predicted, budget 1,681,244) and
+    1,942,472 B at 35% (1,876,424 predicted, budget 1,898,178)."""
+    eg, batch = llama_priced
+    budget_bytes = int(share * simulate(eg.graph, Schedule()).peak_bytes)
+    schedule = solve(eg.graph, budget_bytes, "auto", objective)
+    model = _llama()
+    p = build_inplace_plan(model, eg, schedule, budget_bytes)
+    assert any(r.depth > 0 for r in p.module_regions), "the case is about nested regions"
+    p.apply(model)
+    measured = planner.measure(model, batch).peak_bytes
+    assert measured == p.predicted_peak_bytes
+    assert measured <= budget_bytes
+
+
+@pytest.mark.slow
+def test_fit_batch_plan_keeps_the_cap() -> None:
+    """fit_batch at a 12 MB cap on the Llama: its batch-32 plan (nested regions) predicted
+    11,738,888 B and measured 13,312,264 B before (the issue's figures, on op timings:
+    11,796,232 and 13,329,160)."""
+
+    def make_input(batch_size: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(batch_size)
+        ids = torch.randint(3, 64, (batch_size, 64), generator=g)
+        mask = torch.ones(batch_size, 64, dtype=torch.long)
+        mask[min(1, batch_size - 1), 48:] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+    fit = planner.fit_batch(_llama(), make_input, 0.012, [32], device="cpu", form="inplace")
+    (row,) = fit.rows
+    assert row.fits
+    p = fit.plans[32]
+    assert any(r.depth > 0 for r in p.module_regions)
+    model = _llama()
+    p.apply(model)
+    measured = planner.measure(model, make_input(32)).peak_bytes
+    assert measured == p.predicted_peak_bytes <= fit.cap_bytes
+
+
+# --- Rule 4 ------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, 8 * WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))  # the last op that saves anything
+        return h[:, :WIDTH] * 2 + 0  # a slice, a scale, an add: nothing saved
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.blk, self.b = nn.Linear(WIDTH, WIDTH), Block(), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.blk(self.a(x)))
+
+
+def _toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy()
+
+
+def test_trailing_backward_before_the_recomputation_is_priced_as_measured() -> None:
+    """simulate's Rule 4: the slice's backward (a 1 MiB gradient) runs before ``blk``
+    recomputes, since nothing after tanh unpacks a saved tensor. Before: 3,298,504 B predicted,
+    3,303,560 B measured."""
+    x = torch.randn(2 * ROWS, WIDTH)
+    eg = price_inplace(_toy(), x, device=device_profile("cpu"))
+    (blk,) = (s for s, path in eg.spans.items() if path == "blk")
+    model = _toy()
+    p = build_inplace_plan(model, eg, Schedule((Region(*blk),)), 10**9)
+    p.apply(model)
+    measured = planner.measure(model, x)
+    assert measured.peak_bytes == p.predicted_peak_bytes
+    events = [e for e, _ in p.simulation.timeline]
+    assert events.index("bwd:blk:slice:0") < events.index("recompute:blk:tanh:0")
