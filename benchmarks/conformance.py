@@ -22,6 +22,8 @@ cause, and the totals.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import platform
 import sys
 import time
@@ -353,7 +355,14 @@ def _pct(x: float) -> str:
     return f"{x:+.2%}"
 
 
-def report(points: list[Point], command: str, seconds: float) -> str:
+def environment() -> str:
+    return (
+        f"{platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+        + _transformers_version()
+    )
+
+
+def report(points: list[Point], command: str, seconds: float, env: str) -> str:
     misses = [p for p in points if not p.conforms]
     measured = [p for p in points if not p.failure]
     worst = max(measured, key=lambda p: abs(p.error), default=None)
@@ -362,9 +371,7 @@ def report(points: list[Point], command: str, seconds: float) -> str:
     lines = [
         f"## Conformance sweep: measured <= budget, predicted within {TOLERANCE:.0%} of measured",
         "",
-        f"Regenerate: `{command}` ({seconds / 60:.1f} min). {platform.machine()}, "
-        f"{torch.get_num_threads()} thread(s), torch {torch.__version__}"
-        + _transformers_version()
+        f"Regenerate: `{command}` ({seconds / 60:.1f} min). {env}"
         + f". {len(models)} architectures (`benchmarks/conformance_models.py`), batch {BATCH}, "
         f"float32, CPU; budgets spread evenly from the least feasible to eager (the larger of "
         f"the predicted and measured no-checkpoint peaks), objectives time and flops, both "
@@ -490,7 +497,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-memtracker", action="store_true", help="planner.measure only")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--write", action="store_true", help="write the BENCHMARKS.md section")
+    parser.add_argument("--json", help="also save every point to this JSON file")
+    parser.add_argument(
+        "--from-json", help="report the points saved in this JSON file (no sweep); with --write"
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        points = [Point(**p) for p in saved["points"]]
+        text = report(points, saved["command"], saved["seconds"], saved["environment"])
+        print(text)
+        if args.write:
+            write_section(text)
+        return
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     models = args.models.split(",")
@@ -517,8 +536,20 @@ def main(argv: list[str] | None = None) -> None:
             " " + " ".join(argv if argv is not None else sys.argv[1:]).replace(" --write", "")
         ).rstrip()
     )
-    text = report(points, command.replace("--write", "").rstrip(), time.perf_counter() - t0)
+    command = command.replace(" --write", "")
+    if args.json:
+        command = command.replace(f" --json {args.json}", "")
+    seconds = time.perf_counter() - t0
+    text = report(points, command, seconds, environment())
     print(text)
+    if args.json:
+        saved = dict(
+            command=command,
+            seconds=seconds,
+            environment=environment(),
+            points=[dataclasses.asdict(p) for p in points],
+        )
+        Path(args.json).write_text(json.dumps(saved, indent=1))
     if args.write:
         write_section(text)
         print(f"\nwrote {BENCHMARKS_MD}")
