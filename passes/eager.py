@@ -120,6 +120,7 @@ class _OpTracker(_Tracker):
         self.saves: list[_Save] = []
         self.segments = BackwardSegments(self)
         self.died_at: dict[int, int] = {}  # id(storage record) -> op running when it died
+        self.aliased_args: set[str] = set()  # modules called with one tensor in two arguments
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -253,6 +254,9 @@ class _CallRecorder(ForwardWrapper):
     def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         tracker = self.tracker
         start, grad = len(tracker.names), torch.is_grad_enabled()
+        ids = [id(t) for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
+        if len(ids) != len(set(ids)):
+            tracker.aliased_args.add(self.path)
         tracker.path_stack.append(self.path)
         try:
             return self.run_original(module, *args, **kwargs)
@@ -401,7 +405,7 @@ def eager_graph(
     graph = replace(graph, **device_fields(device, rates))
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time)
-    return _candidates(model, graph, calls)
+    return _candidates(model, graph, calls, tracker.aliased_args)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -479,7 +483,10 @@ def _skips(tracker: _OpTracker) -> set[int]:
 
 
 def _candidates(
-    model: torch.nn.Module, graph: CostGraph, calls: dict[str, list[tuple[int, int, bool]]]
+    model: torch.nn.Module,
+    graph: CostGraph,
+    calls: dict[str, list[tuple[int, int, bool]]],
+    aliased: set[str],
 ) -> EagerGraph:
     forbidden = forbidden_cuts(graph)
     spans: dict[tuple[int, int], str] = {}
@@ -495,6 +502,12 @@ def _candidates(
             continue
         if not grad:
             refused[path] = "runs under torch.no_grad()"
+        elif path in aliased:
+            # nn.MultiheadAttention takes its packed-projection path when `query is key`; a
+            # checkpoint nested in another recomputes it from inputs unpacked one by one, no
+            # longer the same object, so it runs other ops than it saved and
+            # torch.utils.checkpoint raises (measured on nn.TransformerEncoderLayer).
+            refused[path] = "is called with one tensor as several arguments"
         elif any(graph.nodes[i].state_bytes for i in range(start, stop)):
             refused[path] = "writes model buffers in forward (BatchNorm running statistics)"
         elif start in forbidden or stop in forbidden:
