@@ -184,7 +184,9 @@ def _measured(module: nn.Module, x: Any, memtracker: bool) -> tuple[int, int]:
 
 
 def _plan_key(p: Any) -> tuple:
-    return tuple((r.name, r.kind, r.depth, r.saved_nodes) for r in p.regions)
+    """What a plan carries out: two plans with equal keys measure the same. Region names alone
+    are not enough (a graph region is named after the modules it spans, not its nodes)."""
+    return tuple((r.name, r.nodes, r.kind, r.depth, r.saved_nodes) for r in p.regions)
 
 
 class _Priced:
