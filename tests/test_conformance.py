@@ -3,7 +3,7 @@
 Several architectures (a CNN with BatchNorm and in-place ReLU, ``nn.TransformerEncoder``, a
 Hugging Face Llama with a padded attention mask, a Mistral called without one) x budgets from the
 least feasible (what ``InfeasibleBudgetError`` states) through the middle to eager x objectives
-time and flops x both forms. Every point is planned with the CPU roofline profile, carried out
+time and flops x both forms (the graph form on the two plain torch models). Every point is planned with the CPU roofline profile, carried out
 and measured with ``planner.measure`` and with torch's ``MemTracker``: measured <= budget and
 |predicted - measured| <= 1% of measured, by both. A point marked xfail(strict) misses today for
 the reason it states; the mark goes when the fix lands (a strict xfail that passes fails).
@@ -20,26 +20,51 @@ from tests.helpers import assert_same_step_copy
 
 pytestmark = pytest.mark.slow
 
-MODELS = ("cnn", "transformer_encoder", "llama", "mistral")
-FORMS = ("inplace", "graph")
+# Both forms where the graph form's solve is quick; the Llama's graph-form solves took 45 s
+# each on a loaded 2-core machine (the full sweep has them).
+CASES = (
+    ("cnn", "inplace"),
+    ("cnn", "graph"),
+    ("transformer_encoder", "inplace"),
+    ("transformer_encoder", "graph"),
+    ("llama", "inplace"),
+    ("mistral", "inplace"),
+)
 OBJECTIVES = ("time", "flops")
 N_BUDGETS = 3  # the least feasible, halfway, eager
 
+_CNN_64B = (
+    "measured 287,296 B against 287,232 B predicted and budgeted: 64 B appear at conv2d_2's "
+    "backward right after its region's recomputation (a 16-channel per-channel vector); "
+    "simulate's recompute rules (issue 21, budget worktree)"
+)
+_RMSNORM_512B = (
+    "measured 512 B above the prediction (the budget) at the least feasible budget, adjacent "
+    "recompute regions of one decoder layer (norm, attention, norm, MLP; no nesting): 512 B = "
+    "a recomputed RMSNorm's (batch, seq, 1) statistics held into the MLP region's backward; "
+    "simulate's recompute rules (issue 21, budget worktree)"
+)
 # (model, form, budget index, objective) -> the measured cause of a miss that another change
 # fixes; the test then expects the miss (strict), so the mark must go with the fix.
-KNOWN_MISSES: dict[tuple[str, str, int, str], str] = {}
+KNOWN_MISSES: dict[tuple[str, str, int, str], str] = {
+    ("cnn", "graph", 0, "time"): _CNN_64B,
+    ("cnn", "graph", 0, "flops"): _CNN_64B,
+    ("llama", "inplace", 0, "time"): _RMSNORM_512B,
+    ("llama", "inplace", 0, "flops"): _RMSNORM_512B,
+    ("mistral", "inplace", 0, "time"): _RMSNORM_512B,
+    ("mistral", "inplace", 0, "flops"): _RMSNORM_512B,
+}
 
 
 def _points():
-    for model in MODELS:
-        for form in FORMS:
-            for k in range(N_BUDGETS):
-                for objective in OBJECTIVES:
-                    key = (model, form, k, objective)
-                    marks = ()
-                    if key in KNOWN_MISSES:
-                        marks = pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[key])
-                    yield pytest.param(*key, marks=marks, id="-".join(map(str, key)))
+    for model, form in CASES:
+        for k in range(N_BUDGETS):
+            for objective in OBJECTIVES:
+                key = (model, form, k, objective)
+                marks = ()
+                if key in KNOWN_MISSES:
+                    marks = pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[key])
+                yield pytest.param(*key, marks=marks, id="-".join(map(str, key)))
 
 
 _PRICED: dict[tuple[str, str], tuple[_Priced, list[int]]] = {}
