@@ -3,10 +3,11 @@
 Several architectures (a CNN with BatchNorm and in-place ReLU, ``nn.TransformerEncoder``, a
 Hugging Face Llama with a padded attention mask, a Mistral called without one) x budgets from the
 least feasible (what ``InfeasibleBudgetError`` states) through the middle to eager x objectives
-time and flops x both forms (the graph form on the two plain torch models). Every point is planned with the CPU roofline profile, carried out
-and measured with ``planner.measure`` and with torch's ``MemTracker``: measured <= budget and
-|predicted - measured| <= 1% of measured, by both. A point marked xfail(strict) misses today for
-the reason it states; the mark goes when the fix lands (a strict xfail that passes fails).
+time and flops x both forms (the graph form on the two plain torch models). Every point is
+planned with the CPU roofline profile, carried out and measured with ``planner.measure`` and with
+torch's ``MemTracker``: measured <= budget and |predicted - measured| <= 1% of measured, by both.
+A point marked xfail(strict) misses today for the reason it states; the mark goes when the fix
+lands (a strict xfail that passes fails).
 """
 
 from __future__ import annotations
