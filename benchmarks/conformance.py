@@ -462,7 +462,10 @@ def run(
     fit_models: Iterable[str],
     memtracker: bool = True,
     log: Callable[[str], None] = print,
+    on_model: Callable[[list[Point]], None] = lambda points: None,
 ) -> list[Point]:
+    """The sweep, model by model; ``on_model`` gets the points so far after each model (a long
+    sweep stopped part way keeps what it measured)."""
     points: list[Point] = []
     for name in models:
         t0 = time.perf_counter()
@@ -482,6 +485,7 @@ def run(
                 f"pred {p.predicted_bytes} meas {p.measured_bytes} mt {p.memtracker_bytes} "
                 f"{p.cause}"
             )
+        on_model(points)
     return points
 
 
@@ -532,6 +536,23 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(ZOO)}")
     t0 = time.perf_counter()
+    command = "python -m benchmarks.conformance " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    command = command.replace(" --write", "").rstrip()
+    if args.json:
+        command = command.replace(f" --json {args.json}", "")
+
+    def save(points: list[Point]) -> None:
+        if args.json:
+            saved = dict(
+                command=command,
+                seconds=time.perf_counter() - t0,
+                environment=environment(),
+                points=[dataclasses.asdict(p) for p in points],
+            )
+            Path(args.json).write_text(json.dumps(saved, indent=1))
+
     points = run(
         models,
         args.forms.split(","),
@@ -539,27 +560,10 @@ def main(argv: list[str] | None = None) -> None:
         n_budgets,
         fit_models,
         memtracker=not args.no_memtracker,
+        on_model=save,
     )
-    command = (
-        "python -m benchmarks.conformance"
-        + (
-            " " + " ".join(argv if argv is not None else sys.argv[1:]).replace(" --write", "")
-        ).rstrip()
-    )
-    command = command.replace(" --write", "")
-    if args.json:
-        command = command.replace(f" --json {args.json}", "")
-    seconds = time.perf_counter() - t0
-    text = report(points, command, seconds, environment())
+    text = report(points, command, time.perf_counter() - t0, environment())
     print(text)
-    if args.json:
-        saved = dict(
-            command=command,
-            seconds=seconds,
-            environment=environment(),
-            points=[dataclasses.asdict(p) for p in points],
-        )
-        Path(args.json).write_text(json.dumps(saved, indent=1))
     if args.write:
         write_section(text)
         print(f"\nwrote {BENCHMARKS_MD}")
