@@ -78,8 +78,9 @@ def known_cause(p: Point) -> str | None:
         )
     if p.form == "inplace" and under_bytes == 512:
         return (
-            "512 B = a recomputed RMSNorm's (batch, seq, 1) statistics held into the next "
-            "region's backward, adjacent regions of one decoder layer"
+            "512 B, the size of a recomputed norm's (batch, seq, 1) statistics (RMSNorm's "
+            "variance, LayerNorm's mean or rstd), alive into the next region's backward "
+            "beyond the prediction"
             + (", nested" if p.nested else "")
             + "; simulate's recompute rules (budget worktree)"
         )
