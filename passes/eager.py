@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
@@ -143,6 +143,7 @@ class _OpTracker(_Tracker):
         self.failed_in: str | None = None  # the innermost module a failing forward ran
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
+        self.aliased_args: set[str] = set()  # modules called with one tensor in two arguments
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -281,6 +282,9 @@ class _CallRecorder(ForwardWrapper):
             for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and (rec := tracker.lookup(t)) is not None
         ]
+        ids = [id(t) for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
+        if len(ids) != len(set(ids)):
+            tracker.aliased_args.add(self.path)
         tracker.path_stack.append(self.path)
         try:
             return self.run_original(module, *args, **kwargs)
@@ -307,6 +311,67 @@ def _recording_calls(model: torch.nn.Module, tracker: _OpTracker) -> Iterator[di
     finally:
         for recorder, module in reversed(installed):
             recorder.uninstall(module)
+
+
+@contextmanager
+def _mask_decisions_as_eager(kwargs: dict[str, Any]) -> Iterator[None]:
+    """Let transformers take the attention path eager takes, which it decides from values.
+
+    Before building an attention mask, transformers asks whether the position ids pack several
+    sequences in a row (``find_packed_sequence_indices``) and whether a padding mask is all
+    ones (``_ignore_causal_mask_sdpa``, ``_ignore_bidirectional_mask_sdpa``); only if neither
+    needs a mask does SDPA run without one (``is_causal``, the flash kernel). On fake tensors it
+    cannot read values, so it always builds the (batch, 1, S, S) mask and SDPA takes the masked
+    path: the priced step held up to 16% more than eager's on decoders called without a mask.
+    Here the answers come from the real example input instead, where they are certain:
+
+    - packed sequences: from the caller's real ``position_ids``; without them transformers
+      numbers each row 0..S-1 itself, which never packs;
+    - a padding mask the caller passed (keys naming a ``mask``): every one all ones means no
+      token is masked, as eager sees it.
+
+    A padding mask the model makes itself (Bart's decoder makes one of ones) is left to
+    transformers' fake-tensor answer: a mask, on the safe side. Nothing changes if transformers
+    was not imported or lacks these functions.
+    """
+    import sys
+
+    mu = sys.modules.get("transformers.masking_utils")
+    names = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
+    if mu is None or not all(hasattr(mu, n) for n in names):
+        yield
+        return
+    positions = kwargs.get("position_ids")
+    packed = _is_tensor(positions) and mu.find_packed_sequence_indices(positions) is not None
+    masks = [v for k, v in kwargs.items() if "mask" in k and _is_tensor(v)]
+    unmasked = bool(masks) and all(bool(m.all()) for m in masks)
+    optional = ("_ignore_bidirectional_mask_sdpa",)
+    originals = {n: getattr(mu, n) for n in (*names, *optional) if hasattr(mu, n)}
+
+    def find_packed(position_ids: Any) -> Any:
+        if isinstance(position_ids, FakeTensor) and not packed:
+            return None
+        return originals["find_packed_sequence_indices"](position_ids)
+
+    def ignore_mask(name: str) -> Callable[..., bool]:
+        def ignore(padding_mask: Any, *args: Any, **kw: Any) -> bool:
+            if isinstance(padding_mask, FakeTensor) and unmasked:
+                padding_mask = None
+            return originals[name](padding_mask, *args, **kw)
+
+        return ignore
+
+    patched = {
+        "find_packed_sequence_indices": find_packed,
+        **{n: ignore_mask(n) for n in originals if n != "find_packed_sequence_indices"},
+    }
+    try:
+        for n, f in patched.items():
+            setattr(mu, n, f)
+        yield
+    finally:
+        for n, f in originals.items():
+            setattr(mu, n, f)
 
 
 def eager_graph(
@@ -344,6 +409,7 @@ def eager_graph(
         tracker.register_external(t)
 
     with (
+        _mask_decisions_as_eager(kwargs),
         torch.nn.utils.stateless._reparametrize_module(model, state),
         _recording_calls(model, tracker) as calls,
         mode,
@@ -394,7 +460,7 @@ def eager_graph(
     graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time, timer)
-    return _candidates(model, graph, calls, written)
+    return _candidates(model, graph, calls, written, tracker.aliased_args)
 
 
 def _read_by_calls(tracker: _OpTracker) -> None:
@@ -493,6 +559,7 @@ def _candidates(
     graph: CostGraph,
     calls: dict[str, list[tuple[int, int, bool]]],
     written: dict[int, set[str | None]],
+    aliased: set[str],
 ) -> EagerGraph:
     forbidden = forbidden_cuts(graph)
     spans: dict[tuple[int, int], str] = {}
@@ -514,6 +581,12 @@ def _candidates(
         elif None in names or not all(n.startswith(prefix) for n in names):  # type: ignore[union-attr]
             # recomputation could not run on copies of state outside the module's own buffers
             refused[path] = "writes state in forward that is not its own buffers"
+        elif path in aliased:
+            # nn.MultiheadAttention takes its packed-projection path when `query is key`; a
+            # checkpoint nested in another recomputes it from inputs unpacked one by one, no
+            # longer the same object, so it runs other ops than it saved and
+            # torch.utils.checkpoint raises (measured on nn.TransformerEncoderLayer).
+            refused[path] = "is called with one tensor as several arguments"
         elif start in forbidden or stop in forbidden:
             refused[path] = "an in-place write crosses its boundary"
         else:

@@ -70,6 +70,55 @@ _SDPA_BACKENDS = {
 }
 
 
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+
+
+def _grouped_mm_off_meta(mat_a: Any, mat_b: Any, *args: Any, **kwargs: Any) -> bool:
+    """Whether torch's fake kernel of ``aten._grouped_mm`` would refuse a call eager runs.
+
+    The fake kernel checks the CUDA kernel's constraints (bfloat16 inputs), but the CPU kernel
+    takes any floating dtype: a Mixtral or Qwen2-MoE in float32 runs eagerly on the CPU and
+    died in pricing. Those calls are priced by :func:`_grouped_mm_out` instead."""
+    return mat_a.dtype != torch.bfloat16 and mat_a.device.type in ("cpu", "meta")
+
+
+def _grouped_mm_out(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The output of ``aten._grouped_mm`` (shape rule of torch's meta kernel, contiguous as the
+    CPU kernel returns it), without its bfloat16 check; called under the fake mode."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]  # type: ignore[union-attr]
+    elif mat_a.dim() == 2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+def _grouped_mm_flop(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any
+) -> int:
+    """2 x (multiply-adds) of a grouped matmul: each output element sums over the contraction
+    dimension, which the groups (``offs``) partition when both operands are 2-D."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.size(0) * mat_a.size(1) * mat_b.size(1)
+    return 2 * out_val.numel() * mat_a.size(-1)
+
+
+# FLOP formulas torch.utils.flop_counter lacks (it counts 0 for an op without one).
+_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {}
+if _GROUPED_MM is not None:
+    _FLOP_FORMULAS[torch.ops.aten._grouped_mm] = _grouped_mm_flop
+
+
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The fx nodes that become CostGraph nodes, in graph order (the 1:1 name map)."""
     return [
@@ -147,11 +196,15 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if func is _GROUPED_MM and _grouped_mm_off_meta(*args, **kwargs):
+            out = _grouped_mm_out(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         if self.autocast and func is torch.ops.aten._to_copy.default and self._is_weight(args[0]):
             self.cast_cache.append(out)
         where = (self.phase, self.node)
-        formula = flop_registry.get(func._overloadpacket)
+        packet = func._overloadpacket
+        formula = _FLOP_FORMULAS.get(packet) or flop_registry.get(packet)
         flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
         self.flops[where] += flops
         self.call_counts[where] += 1
