@@ -510,11 +510,7 @@ class _RegionForward(ForwardWrapper):
         other argument its frame holds itself: passed as is, a keyword tensor (Hugging Face
         calls ``self_attn(hidden_states=...)``) lived from a nested region's forward to the
         end of its backward, 66 KB over the prediction on a tiny Llama."""
-        leaves, spec = tree_flatten((args, kwargs))
-        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        tensors = [leaves[i] for i in slots]
-        template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        del leaves  # body must not keep the tensors alive
+        tensors, template, slots, spec = _tensor_leaves((args, kwargs))
 
         def body(*ts: torch.Tensor) -> Any:
             filled = list(template)
@@ -535,6 +531,18 @@ class _RegionForward(ForwardWrapper):
                 f"takes the same path you train with.",
                 stacklevel=3,
             )
+
+
+def _tensor_leaves(
+    tree: Any,
+) -> tuple[list[torch.Tensor], list[Any], list[int], Any]:
+    """The tensors of ``tree``, the leaves with None in their place, their slots and the tree's
+    spec. A function of its own so that no frame that makes a closure holds the leaves (nor a
+    ``del`` of them, which dynamo cannot trace: DELETE_DEREF)."""
+    leaves, spec = tree_flatten(tree)
+    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    return [leaves[i] for i in slots], template, slots, spec
 
 
 def _updating_once(

@@ -153,7 +153,13 @@ def test_a_pinned_calibration_gives_the_same_plan(cache, tmp_path):
     assert {_fingerprint(p) for p in plans} == {_fingerprint(first)}
     # its figures are the ones priced with: a slower device gives a slower step
     slower = dataclasses.replace(
-        pinned, op_times_s={k: None if v is None else 2 * v for k, v in pinned.op_times_s.items()}
+        pinned,
+        op_times_s={k: None if v is None else 2 * v for k, v in pinned.op_times_s.items()},
+        # a step small enough to be timed whole (calibration.SMALL_STEP_S) is priced from that
+        step_times_s={
+            k: tuple(None if t is None else 2 * t for t in v)
+            for k, v in pinned.step_times_s.items()
+        },
     )
     slow = planner.plan(model, x, BUDGET_GB, form="inplace", calibration=slower)
     assert slow.baseline_peak_bytes == first.baseline_peak_bytes
