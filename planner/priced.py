@@ -16,7 +16,6 @@ raises the same errors for the same options.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -93,29 +92,8 @@ class PricedInplace:
             example_input=self.example_input,
         )
 
-    def plan(
-        self,
-        budget_bytes: int,
-        solver: str = "auto",
-        *,
-        objective: Objective = "time",
-        max_recompute_flops_fraction: float | None = None,
-        on_step: OnStep = _no_progress,
-        **solver_opts: Any,
-    ) -> InplacePlan:
-        """Solve for ``budget_bytes`` with ``solver`` and build the plan."""
-        on_step("solve")
-        start_s = time.perf_counter()
-        schedule = self.solve(
-            budget_bytes,
-            solver,
-            objective=objective,
-            max_recompute_flops_fraction=max_recompute_flops_fraction,
-            **solver_opts,
-        )
-        solve_time_s = time.perf_counter() - start_s
-        on_step("build")
-        return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
+    # solve, then build: the same two steps as the graph form's, over this form's own
+    plan = PricedModel.plan
 
 
 def check_form_options(

@@ -124,3 +124,18 @@ def peak_logs(plan: InplacePlan | None, measured_bytes: int | None) -> dict[str,
     if measured_bytes is not None:
         logs["planner/measured_peak_bytes"] = measured_bytes
     return logs
+
+
+def callback_plan(
+    plan: InplacePlan | str | Path | None, mem_budget_gb: Any, measure_every_n_steps: int
+) -> InplacePlan | None:
+    """A training-loop callback's options checked, and the plan it was given (loaded from its
+    file), or None when it plans on the first batch."""
+    if (plan is None) == (mem_budget_gb is None):
+        raise ValueError(
+            "give PlanCallback either a plan (an InplacePlan or a saved plan's path) or "
+            "mem_budget_gb= to plan on the first training batch, not both or neither"
+        )
+    if measure_every_n_steps < 1:
+        raise ValueError(f"measure_every_n_steps must be >= 1, got {measure_every_n_steps}")
+    return None if plan is None else load_plan(plan)

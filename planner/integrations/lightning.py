@@ -41,7 +41,7 @@ from lightning.pytorch import Callback
 
 from planner.hf_checkpointing import applied_plan
 from planner.inplace import InplacePlan
-from planner.integrations import at_shape, load_plan, make_plan, peak_logs
+from planner.integrations import at_shape, callback_plan, make_plan, peak_logs
 from planner.measurement import StepPeak
 from planner.passes.step import LossFn
 
@@ -63,14 +63,7 @@ class PlanCallback(Callback):
         measure: bool = True,
         measure_every_n_steps: int = 1,
     ) -> None:
-        if (plan is None) == (mem_budget_gb is None):
-            raise ValueError(
-                "give PlanCallback either a plan (an InplacePlan or a saved plan's path) or "
-                "mem_budget_gb= to plan on the first training batch, not both or neither"
-            )
-        if measure_every_n_steps < 1:
-            raise ValueError(f"measure_every_n_steps must be >= 1, got {measure_every_n_steps}")
-        self.plan: InplacePlan | None = None if plan is None else load_plan(plan)
+        self.plan: InplacePlan | None = callback_plan(plan, mem_budget_gb, measure_every_n_steps)
         self.module_path = module
         self.mem_budget_gb = mem_budget_gb
         self.largest_shape = largest_shape
