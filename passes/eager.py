@@ -48,6 +48,7 @@ from planner.passes.estimate import (
     SKIP_GAP_NODES,
     BackwardSegments,
     _Segment,
+    _state_saved_bytes,
     _to_fake,
     _Tracker,
     device_fields,
@@ -233,6 +234,8 @@ class _OpTracker(_Tracker):
                 continue
             if s.storage is not None and s.storage.node >= 0:
                 s.storage.saved_by.add(owner)
+            elif s.storage is not None and s.storage.phase == "ext":
+                self.state_saved[owner].add(id(s.storage))
             # Inputs are saved before the op allocates anything, outputs after.
             at = s.allocated if owner == s.node else 0
             self.allocated_at_last_save[owner] = max(self.allocated_at_last_save.get(owner, 0), at)
@@ -515,6 +518,7 @@ def _build(tracker: _OpTracker, seq_lens: set[int], rates: DeviceProfile) -> Cos
                 param_grad_bytes=param_grad[i],
                 tags=frozenset(tags),
                 state_bytes=sum(tracker.state_written.get(i, {}).values()),
+                state_saved_bytes=_state_saved_bytes(tracker, i),
                 saves_for_backward=i in tracker.allocated_at_last_save,
             )
         )

@@ -170,6 +170,9 @@ class _Tracker(TorchDispatchMode):
         self.allocated: dict[tuple[str, int], list[_Storage]] = defaultdict(list)
         # Model buffers (node -1 storages) each node writes in forward: BatchNorm statistics.
         self.state_written: dict[int, dict[int, int]] = defaultdict(dict)
+        # node -> id(record) of the model buffers its forward saves for backward (BatchNorm
+        # saves its running statistics): a recomputation's copy of those lives to its backward
+        self.state_saved: dict[int, set[int]] = defaultdict(set)
         # node -> how many storages its forward had allocated at its last save for backward
         self.allocated_at_last_save: dict[int, int] = {}
         # autocast's weight copies, held to the end of forward as autocast's cache holds them
@@ -371,6 +374,8 @@ class _Step(fx.Interpreter):
         rec = tr.lookup(t)
         if rec is not None and rec.node >= 0:
             rec.saved_by.add(tr.node)
+        elif rec is not None and rec.phase == "ext":
+            tr.state_saved[tr.node].add(id(rec))
         if self.in_node:
             # Checkpoint's recomputation stops at the last save; what the node allocates after
             # it (a linear saves its inputs, then computes) is never made again.
@@ -740,6 +745,7 @@ def _build(
                 param_grad_bytes=param_grad[i],
                 tags=frozenset(tags),
                 state_bytes=sum(tracker.state_written.get(i, {}).values()),
+                state_saved_bytes=_state_saved_bytes(tracker, i),
                 saves_for_backward=i in tracker.allocated_at_last_save,
                 fwd_calls=tracker.call_counts.get(("fwd", i), 0),
             )
@@ -899,3 +905,10 @@ def _device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
         if _is_tensor(t):
             return t.device
     return torch.device("cpu")
+
+
+def _state_saved_bytes(tracker: Any, i: int) -> int:
+    """The bytes of the model buffers node ``i`` writes in forward and also saves for backward
+    (see ``Node.state_saved_bytes``)."""
+    written = tracker.state_written.get(i, {})
+    return sum(n for k, n in written.items() if k in tracker.state_saved.get(i, ()))

@@ -37,6 +37,8 @@ class Node:
     they live until the end of the step. ``state_bytes`` are model buffers the node writes in
     forward (BatchNorm running statistics): a region around it keeps a copy of their pre-step
     values for its recomputation, and makes one more while recomputing (passes/rewrite.py).
+    ``state_saved_bytes``: the part of ``state_bytes`` the node's forward also saves for
+    backward (BatchNorm's running statistics, which ``native_batch_norm_backward`` takes).
     ``bwd_temp_bytes`` is the node's backward peak above what it allocates to keep (gradients,
     parameter gradients); negative when the backward frees something before its last such
     allocation (a linear's saved input, before its bias gradient is summed).
@@ -57,6 +59,7 @@ class Node:
     param_grad_bytes: int = 0
     tags: frozenset[str] = frozenset()
     state_bytes: int = 0
+    state_saved_bytes: int = 0
     saves_for_backward: bool = False
     fwd_calls: int = 1  # aten ops its forward dispatches (each seen by a selective policy)
     # Measured runtimes of the node's forward / backward on the device (passes/op_timing.py);

@@ -54,7 +54,10 @@ Rule 8. Storages ``held_to_end`` (autocast's weight copies) live from their firs
         end of the step; recomputation reuses them.
 Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNorm statistics)
         keeps a copy of their pre-step values from its forward to the end of its backward, and
-        makes one more for each recomputation (``passes/rewrite.py``).
+        makes one more for each recomputation (``passes/rewrite.py``), which lives until the
+        recomputation ends -- except the part a node of the region's own saves for backward
+        (``Node.state_saved_bytes``: BatchNorm saves the running statistics it ran on, so the
+        recomputation's copies), which lives until that node's backward.
 Rule 10. Every region boundary is a cut that in-place writes allow (``solvers/cuts.py``).
 Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their fixed points of
         the first forward and of backward, never during a recomputation: a change after node
@@ -288,9 +291,14 @@ class _Replay:
             self._later(ctx, ("recompute_end",), key)
         if ctx is not ROOT and ctx.kind != "offload" and self.state_bytes[ctx]:
             # rewrite's fresh copies of the pre-step buffer values, for this recomputation (Rule 9)
+            kept = self._state_saved_in_run(ctx, children, last)
             key = ("state_run", ctx)
-            self._hold(key, self.state_bytes[ctx], 1)
+            self._hold(key, self.state_bytes[ctx] - sum(kept.values()), 1)
             self._later(ctx, ("recompute_end",), key)
+            for i, size in kept.items():
+                key = ("state_saved", ctx, i)
+                self._hold(key, size, 1)
+                self._later(ctx, ("bwd", i), key)
         for i in range(start, last + 1):
             here = self._owner(i, children)
             self._hold_state_copies(ctx, children, i)
@@ -322,6 +330,18 @@ class _Replay:
         if ctx is not ROOT:
             self._stopped_at_nested(ctx, children, last)
             self._release_at(ctx, ("recompute_end",))
+
+    def _state_saved_in_run(self, ctx: Region, children: list[Region], last: int) -> dict[int, int]:
+        """See Rule 9: the nodes of ``ctx``'s own (not nested in a child region, which drops its
+        saves) that this recomputation runs through ``last`` and that save the buffer copies
+        they write: node -> bytes, held to that node's backward."""
+        return {
+            i: self.g.nodes[i].state_saved_bytes
+            for i in range(ctx.start, last + 1)
+            if self.g.nodes[i].state_saved_bytes
+            and i not in ctx.saved_nodes
+            and self._owner(i, children) is None
+        }
 
     def _stopped_at_nested(self, ctx: Region, children: list[Region], last: int) -> None:
         """See Rule 12: a recomputation that stops as a nested region saves its arguments

@@ -34,20 +34,9 @@ CASES = (
 OBJECTIVES = ("time", "flops")
 N_BUDGETS = 3  # the least feasible, halfway, eager
 
-_CNN_64B = (
-    "64 B over the prediction (the budget) at the least feasible budget (graph form 287,296 B "
-    "against 287,232 B, in place 352,832 B against 352,768 B): 64 B appear at conv2d_2's "
-    "backward right after its region's recomputation (a 16-channel per-channel vector, "
-    "BatchNorm's); not yet priced by simulate's recompute rules (issue 21)"
-)
 # (model, form, budget index, objective) -> the measured cause of a miss that another change
 # fixes; the test then expects the miss (strict), so the mark must go with the fix.
-KNOWN_MISSES: dict[tuple[str, str, int, str], str] = {
-    ("cnn", "graph", 0, "time"): _CNN_64B,
-    ("cnn", "graph", 0, "flops"): _CNN_64B,
-    ("cnn", "inplace", 0, "time"): _CNN_64B,
-    ("cnn", "inplace", 0, "flops"): _CNN_64B,
-}
+KNOWN_MISSES: dict[tuple[str, str, int, str], str] = {}
 
 
 def _points():

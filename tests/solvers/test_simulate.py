@@ -121,6 +121,24 @@ def test_a_region_copies_the_buffers_it_writes_for_its_recomputation():
     )
 
 
+def test_a_recomputation_copy_its_node_saves_lives_to_that_backward():
+    g = flagged_chain(state_bytes=(0, 4, 0))
+    g = replace(g, nodes=(g.nodes[0], replace(g.nodes[1], state_saved_bytes=4), g.nodes[2]))
+    sim = run([Region(0, 2)], g)
+    # Rule 9: n1 saves the copy it ran on (BatchNorm saves its running statistics), so the
+    # recomputation's copy is still there through n1's backward, gone after it.
+    assert sim.timeline == (
+        ("fwd:n0", 14),
+        ("fwd:n1", 34),
+        ("fwd:n2", 54),
+        ("bwd:n2", 44),
+        ("recompute:n0", 38),
+        ("recompute:n1", 38),
+        ("bwd:n1", 48),
+        ("bwd:n0", 14),
+    )
+
+
 def test_a_checkpoint_stashes_its_rng_state_until_its_backward_ends():
     # Rule 12: 4 B stashed as the region's forward starts and held to its backward's end, and
     # one more copy (fork_rng's) while it recomputes: the same lifetimes as the buffer copies.
