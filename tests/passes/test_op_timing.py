@@ -95,18 +95,20 @@ def test_node_times_are_fitted_to_the_measured_step():
     assert "ops x 0.00" in fast.meta["timing"]
 
 
-def test_on_the_device_each_region_adds_its_measured_overhead_to_the_step(monkeypatch):
+def test_on_the_device_each_region_adds_its_measured_overhead_to_the_step(monkeypatch, tmp_path):
     from planner import calibration
     from planner.planning import price
 
-    # priced from its calls alone, whatever the load: no step is small enough to be timed whole
+    # priced from its calls alone, whatever the load: no step is small enough to be timed whole,
+    # and a calibration of its own holds no step timed whole by an earlier test
     monkeypatch.setattr(calibration, "SMALL_STEP_S", 0.0)
     model, example = gpt_ref_small_example()
-    priced = price(model, example)  # model on the CPU: priced from this device's calibration
+    pinned = tmp_path / "calibration.json"
+    priced = price(model, example, calibration=pinned)  # model on the CPU: timed on this device
     graph = priced.graph
     assert graph.meta["timing"].startswith("ops timed alone + ")
     assert "calibration: cpu" in graph.meta["timing"]
-    held = calibration.current()  # the calibration price() used: this process's
+    held = calibration.Calibration.load(pinned)  # the calibration price() used
     assert graph.region_overhead_s == held.checkpoint.region_s
     assert graph.saving_node_overhead_s == held.checkpoint.per_saving_node_s > 0
     assert graph.selective_call_overhead_s == held.checkpoint.per_selective_call_s
