@@ -134,7 +134,8 @@ def training_loss(
     ``loss_fn(output)`` or ``loss_fn(output, batch)`` (:func:`takes_batch`) when given; else the
     model's own ``loss`` (Hugging Face style, a ``.loss`` attribute or a ``"loss"`` key); else
     the sum of every floating output. ``warn``: say so (a ``LossFallbackWarning``) when it is
-    that sum, which planning does once per plan.
+    that sum of anything but one scalar (a model returning a scalar returns its loss), which
+    planning does once per plan.
     """
     if loss_fn is not None:
         return loss_fn(output, batch) if takes_batch(loss_fn) else loss_fn(output)
@@ -143,7 +144,9 @@ def training_loss(
     if isinstance(loss, torch.Tensor):
         return loss
     leaves = [t for t in floating_leaves(output) if t.requires_grad]
-    if warn and leaves:
+    # a model that returns one scalar returns its loss (as the quickstart's does): no warning
+    scalar_loss = isinstance(output, torch.Tensor) and output.dim() == 0
+    if warn and leaves and not scalar_loss:
         why = (
             f"the model returned no loss ({type(output).__name__}.loss is None: a Hugging Face "
             f"model computes it only when the batch holds labels)"

@@ -156,6 +156,22 @@ def test_a_loss_that_falls_back_to_the_sum_of_outputs_says_so_once(form):
     assert _loss_warnings(lambda: plan(loss_fn=lambda out: out.logsumexp(-1).mean())) == []
 
 
+def test_a_model_that_returns_its_scalar_loss_plans_without_a_warning():
+    model, batch = _classifier_batch()
+
+    class _WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x, labels):
+            return F.cross_entropy(self.inner(x), labels)
+
+    args = (batch["x"], batch["labels"])
+    plan = functools.partial(planner.plan, _WithLoss(), args, 1.0, form="inplace", device="cpu")
+    assert _loss_warnings(plan) == []
+
+
 def test_an_hf_output_without_loss_says_the_batch_has_no_labels():
     from transformers.modeling_outputs import CausalLMOutput
 
