@@ -17,7 +17,6 @@ raises the same errors for the same options.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,7 @@ from planner.planning import (
     price,
 )
 from planner.solvers.costgraph import CostGraph, Objective, Schedule, check_objective
-from planner.solvers.registry import get_solver, solve
-from planner.solvers.simulate import simulate
+from planner.solvers.registry import get_solver
 
 
 @dataclass(frozen=True)
@@ -59,26 +57,14 @@ class PricedInplace:
     def graph(self) -> CostGraph:
         return self.eager.graph
 
-    @cached_property
-    def eager_peak_bytes(self) -> int:
-        """Predicted peak of one step without checkpointing."""
-        return simulate(self.graph, Schedule()).peak_bytes
+    # the same no-checkpoint peak and solve as the graph form's, over this form's own graph
+    eager_peak_bytes = PricedModel.eager_peak_bytes
 
-    def solve(
-        self,
-        budget_bytes: int,
-        solver: str = "auto",
-        *,
-        objective: Objective = "time",
-        max_recompute_flops_fraction: float | None = None,
-        **solver_opts: Any,
-    ) -> Schedule:
-        """The schedule ``solver`` chooses, as ``PricedModel.solve`` (only solvers whose
-        regions are module calls: ``inplace.SPAN_SOLVERS``)."""
+    def solve(self, budget_bytes: int, solver: str = "auto", **options: Any) -> Schedule:
+        """``PricedModel.solve``, for the solvers whose regions are module calls only
+        (``inplace.SPAN_SOLVERS``)."""
         check_span_solver(solver)
-        return solve(
-            self.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
-        )
+        return PricedModel.solve(self, budget_bytes, solver, **options)  # type: ignore[arg-type]
 
     def build(
         self, schedule: Schedule, budget_bytes: int, *, solve_time_s: float = 0.0
