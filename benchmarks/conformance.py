@@ -40,7 +40,7 @@ from torch import nn
 import planner
 from benchmarks.conformance_models import ZOO
 from planner.devices import device_profile
-from planner.inplace import build_inplace_plan, price_inplace
+from planner.inplace_form import build_inplace_plan, price_inplace
 from planner.passes.step import call, split_input, training_loss
 from planner.planning import price
 from planner.solvers.costgraph import Schedule

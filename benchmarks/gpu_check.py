@@ -586,7 +586,7 @@ def offload_section(
     """planner's choice at ``budget_bytes``, the same without offload when it chose some, then
     by hand: no regions, every attention module offloaded, and the same modules recomputed."""
     import planner
-    from planner.inplace import build_inplace_plan, price_inplace
+    from planner.inplace_form import build_inplace_plan, price_inplace
     from planner.solvers.costgraph import Region, Schedule
 
     checks = []

@@ -331,7 +331,7 @@ def fsdp_rows(
     bytes, rows, the plan with offload or None)."""
     from planner.devices import device_profile
     from planner.fsdp import FSDPConfig
-    from planner.inplace import build_inplace_plan, price_inplace
+    from planner.inplace_form import build_inplace_plan, price_inplace
     from planner.solvers.auto import AutoOptions
     from planner.solvers.costgraph import Region, Schedule
     from planner.solvers.dp import DPOptions

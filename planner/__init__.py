@@ -41,10 +41,10 @@ if TYPE_CHECKING:
         verify,
     )
     from planner.hf_checkpointing import applied_plan
-    from planner.inplace import InplacePlan, remove
+    from planner.inplace import remove
     from planner.measurement import Measurement, measure
-    from planner.passes.rewrite import NamedRegion as Region
-    from planner.planning import Plan, apply_plan, plan
+    from planner.planning import apply_plan, plan
+    from planner.plans import InplacePlan, Plan, Region
 
 # module -> the public names it defines, loaded on first use
 _PUBLIC = {
@@ -62,13 +62,13 @@ _PUBLIC = {
         "Verification",
         "verify",
     ),
-    "planner.inplace": ("InplacePlan", "remove"),
+    "planner.inplace": ("remove",),
     "planner.measurement": ("Measurement", "measure"),
-    "planner.planning": ("Plan", "apply_plan", "plan"),
+    "planner.planning": ("apply_plan", "plan"),
+    "planner.plans": ("InplacePlan", "Plan", "Region"),
 }
 # public name -> (module that defines it, its name there)
 _LAZY = {name: (module, name) for module, names in _PUBLIC.items() for name in names}
-_LAZY["Region"] = ("planner.passes.rewrite", "NamedRegion")
 
 
 def __getattr__(name: str) -> Any:

@@ -2,8 +2,8 @@
 
 Checkpointing frees activations, which lets the batch grow, and a larger batch can more than pay
 for the recomputation: samples/s = batch size / step time. For each batch size this prices one
-training step (the model's own eager step for in-place plans, ``inplace.price_inplace``, the
-default; its captured graph, ``planning.price``, for form="graph"), lets a solver find the
+training step (the model's own eager step for in-place plans, ``inplace_form.price``, the
+default; its captured graph, ``graph_form.price``, for form="graph"), lets a solver find the
 fastest plan under the cap (solvers minimise predicted step time), and
 predicts its peak and step time; the winner has the most predicted samples per second.
 
@@ -28,15 +28,13 @@ from tqdm.auto import tqdm
 from planner.calibration import Calibration
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig
-from planner.inplace import InplacePlan
 from planner.passes.step import LossFn
-from planner.planning import Plan, budget_bytes_from_gb
-from planner.priced import check_form_options, price_form
+from planner.planning import budget_bytes_from_gb, check_form_options, price_form
+from planner.plans import Plan
 from planner.report import data_frame, format_bytes, format_ms, plain_text
-from planner.solvers.costgraph import Objective, Schedule
+from planner.solvers.costgraph import Objective
 from planner.solvers.errors import InfeasibleBudgetError, RecomputeCapError
 from planner.solvers.registry import SharedTimeLimit, default_time_limit_s
-from planner.solvers.simulate import simulate
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -76,10 +74,10 @@ class BatchFit:
     device: str
     best_batch_size: int
     # batch size -> its plan, for every row that fits
-    plans: Mapping[int, Plan | InplacePlan] = field(repr=False, compare=False)
+    plans: Mapping[int, Plan] = field(repr=False, compare=False)
 
     @property
-    def plan(self) -> Plan | InplacePlan:
+    def plan(self) -> Plan:
         """The winner's plan: ``save()`` it, or carry it out at the winner's batch
         (``plan.apply(model)`` in place; ``plan.module`` in the graph form)."""
         return self.plans[self.best_batch_size]
@@ -244,7 +242,7 @@ def fit_batch(
             f"batch_sizes must be positive integers, e.g. [1, 2, 4, 8]; got {batch_sizes!r}"
         )
     rows: list[BatchRow] = []
-    plans: dict[int, Plan | InplacePlan] = {}
+    plans: dict[int, Plan] = {}
     best: tuple[float, int] | None = None
     cap_errors: list[RecomputeCapError] = []
     device_name = ""
@@ -267,7 +265,7 @@ def fit_batch(
         )
         eager_s = graph.step_time_s
         eager = dict(
-            eager_peak_bytes=simulate(graph, Schedule()).peak_bytes,
+            eager_peak_bytes=priced.eager_peak_bytes,
             eager_step_time_s=eager_s,
             eager_samples_per_s=b / eager_s,
         )

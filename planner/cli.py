@@ -408,7 +408,7 @@ def _console() -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from planner.priced import check_form_options, price_form
+    from planner.planning import check_form_options, price_form
 
     kind, value = parse_budget(args.budget)
     check_solvers(args.form, [args.solver])
@@ -486,7 +486,7 @@ def how_to_apply(form: str, path: str) -> str:
 def check_solvers(form: str, names: Sequence[str]) -> None:
     """Unknown solvers, and solvers the form cannot carry out, as usage errors."""
     from planner.comparison import solver_names
-    from planner.inplace import SPAN_SOLVERS
+    from planner.inplace_form import SPAN_SOLVERS
 
     known = [*solver_names(), "auto"]
     unknown = [n for n in names if n not in known]
@@ -506,8 +506,8 @@ def check_solvers(form: str, names: Sequence[str]) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.comparison import compare, solver_names
-    from planner.inplace import SPAN_SOLVERS
-    from planner.priced import check_form_options
+    from planner.inplace_form import SPAN_SOLVERS
+    from planner.planning import check_form_options
 
     budgets_gb = fractions = None
     if args.budgets:
@@ -652,7 +652,7 @@ def cmd_solvers(args: argparse.Namespace) -> int:
     import textwrap
 
     from planner.comparison import solver_names
-    from planner.inplace import SPAN_SOLVERS
+    from planner.inplace_form import SPAN_SOLVERS
     from planner.solvers.registry import SOLVERS
 
     width = max(shutil.get_terminal_size((100, 24)).columns, 60)

@@ -1,6 +1,6 @@
 """``planner.compare``: every solver at every budget on one model, side by side.
 
-The model is priced once, in place (the default) or as a graph (``planner/priced.py``); each
+The model is priced once, in place (the default) or as a graph (``planning.price_form``); each
 solver then solves the same CostGraph with the same options (``objective``, FLOPs cap, device),
 so rows differ only by solver and budget. With ``measure=True`` each plan also runs one real
 training step (``planner.measure``) for its measured peak and step time against the unmodified
@@ -21,13 +21,14 @@ from tqdm import tqdm
 from planner.calibration import Calibration
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig
-from planner.inplace import SPAN_SOLVERS, InplacePlan, remove
+from planner.inplace import remove
+from planner.inplace_form import SPAN_SOLVERS
 from planner.measurement import Measurement
 from planner.measurement import measure as measure_step
 from planner.passes.step import LossFn
-from planner.planning import GB, Plan
+from planner.planning import check_form_options, price_form
+from planner.plans import GB, Plan, gb_to_bytes
 from planner.plots import plot_pareto
-from planner.priced import check_form_options, price_form
 from planner.report import data_frame, format_bytes, format_ms, plain_text
 from planner.solvers.costgraph import Objective
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
@@ -78,14 +79,12 @@ class Comparison:
     step_flops: int
     estimate_time_s: float
     # (solver, budget_bytes) -> plan for each feasible row, to inspect or train one of them.
-    plans: Mapping[tuple[str, int], Plan | InplacePlan] = field(
-        default_factory=dict, repr=False, compare=False
-    )
+    plans: Mapping[tuple[str, int], Plan] = field(default_factory=dict, repr=False, compare=False)
     form: str = "graph"  # of the plans: "inplace" (p.apply(model)) or "graph" (p.module)
 
-    def plan(self, solver: str, budget_gb: float) -> Plan | InplacePlan:
+    def plan(self, solver: str, budget_gb: float) -> Plan:
         """The plan a feasible row made (budget in decimal GB, as given to ``compare``)."""
-        key = (solver, _gb_to_bytes(budget_gb))
+        key = (solver, gb_to_bytes(budget_gb))
         if key not in self.plans:
             made = ", ".join(f"{s} @ {b / GB:g} GB" for s, b in self.plans)
             raise KeyError(f"no feasible plan for {solver!r} at {budget_gb} GB; made: {made}")
@@ -204,10 +203,6 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _gb_to_bytes(gb: float) -> int:
-    return round(float(gb) * GB)
-
-
 def solver_names() -> list[str]:
     """Every registered solver except 'auto' (which picks one of them), well-known ones first."""
     get_solver("none")  # loads the solver modules, which register themselves
@@ -275,7 +270,7 @@ def compare(
             "without measure"
         )
     if budgets_gb is not None:
-        budgets_bytes = [_gb_to_bytes(gb) for gb in budgets_gb]
+        budgets_bytes = [gb_to_bytes(gb) for gb in budgets_gb]
         if not budgets_bytes or min(budgets_bytes) <= 0:
             raise ValueError(f"budgets_gb must be positive numbers of GB, got {budgets_gb!r}")
     fractions = tuple(budget_fractions or DEFAULT_BUDGET_FRACTIONS)
@@ -330,7 +325,7 @@ def compare(
         step_flops = max(priced.graph.step_flops, 1)
 
         rows: list[Row] = []
-        plans: dict[tuple[str, int], Plan | InplacePlan] = {}
+        plans: dict[tuple[str, int], Plan] = {}
         limit = SharedTimeLimit.starting_now(time_limit_s)
         solves_left = len(names) * len(budgets_bytes)
         for budget_bytes in budgets_bytes:
@@ -407,7 +402,7 @@ def compare(
 
 
 def measure_plan(
-    p: Plan | InplacePlan,
+    p: Plan,
     model: torch.nn.Module,
     example_input: Any,
     loss_fn: LossFn | None = None,

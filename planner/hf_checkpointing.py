@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +50,12 @@ _MARKER = "_planner_gc_marker"
 class _Applied:
     """What ``mark_applied`` put on the model, so that ``unmark`` can take it back."""
 
-    plan: Any  # the InplacePlan (None when only regions were applied)
-    regions: tuple[Any, ...]  # its ModuleRegions, to re-wrap after a suspension
+    plan: Any  # the in-place Plan (None when only regions were applied)
+    regions: tuple[Any, ...]  # its regions, to re-wrap after a suspension
+    # inplace.wrap_regions / unwrap_regions, handed in so that this module needs no import
+    # of the module that imports it
+    wrap: Callable[[torch.nn.Module, tuple[Any, ...]], None]
+    unwrap: Callable[[torch.nn.Module], None]
     suspended: bool = False
     guarded: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
 
@@ -107,9 +111,16 @@ def paused(model: torch.nn.Module) -> Iterator[None]:
             model.get_submodule(path).gradient_checkpointing = True
 
 
-def mark_applied(model: torch.nn.Module, plan: Any, regions: tuple[Any, ...]) -> None:
+def mark_applied(
+    model: torch.nn.Module,
+    plan: Any,
+    regions: tuple[Any, ...],
+    wrap: Callable[[torch.nn.Module, tuple[Any, ...]], None],
+    unwrap: Callable[[torch.nn.Module], None],
+) -> None:
     """After wrapping ``model``'s regions: turn Hugging Face's flags off (warning), guard its
-    enable/disable methods, set the markers and record ``plan`` on ``model``."""
+    enable/disable methods, set the markers and record ``plan`` on ``model``. ``wrap`` and
+    ``unwrap`` put the regions back on and take them off again around a suspension."""
     paths = hf_flags_on(model)
     if paths:
         warnings.warn(
@@ -119,7 +130,7 @@ def mark_applied(model: torch.nn.Module, plan: Any, regions: tuple[Any, ...]) ->
             stacklevel=4,
         )
         _turn_off(model, paths)
-    state = _Applied(plan, tuple(regions))
+    state = _Applied(plan, tuple(regions), wrap, unwrap)
     for m in model.modules():
         if not is_hf_model(m):
             continue
@@ -164,8 +175,6 @@ class _Guard:
         self.root, self.name = root, name
 
     def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        from planner.inplace import unwrap_regions, wrap_regions
-
         state: _Applied | None = self.root.__dict__.get(_STATE)
         if state is None:  # a stale guard (the root's plan was removed some other way)
             return getattr(type(module), self.name)(module, *args, **kwargs)
@@ -178,7 +187,7 @@ class _Guard:
                     f"(TrainingArguments(gradient_checkpointing=False)), or call "
                     f"planner.remove(model) first to use Hugging Face's instead."
                 )
-            wrap_regions(self.root, state.regions)
+            state.wrap(self.root, state.regions)
             state.suspended = False
             _set_markers(self.root, True)
             return None
@@ -190,7 +199,7 @@ class _Guard:
                 f"checkpointing); planner.remove(model) drops it.",
                 stacklevel=2,
             )
-            unwrap_regions(self.root)
+            state.unwrap(self.root)
             state.suspended = True
             _set_markers(self.root, False)
         # Hugging Face's own disable too (its flags are already off; it may undo PEFT's input

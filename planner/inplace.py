@@ -1,6 +1,10 @@
 """Plans carried out in place on the user's own modules: ``plan(..., form="inplace")``,
 ``p.apply(model)``, ``planner.apply_plan(model, path)``, ``planner.remove(model)``.
 
+This is the run time (and the check that a model is the one planned); pricing, building and
+the form's part of the plan file are ``planner/inplace_form.py``'s, the Plan and its Region
+``planner/plans.py``'s.
+
 A region is one submodule (every call of it; the planner only offers modules called once per
 step). Applying a plan replaces each region module's ``forward`` by an instance attribute
 (``passes/eager.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
@@ -37,14 +41,11 @@ noticed there.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,127 +58,25 @@ from torch.utils.checkpoint import (
 )
 
 from planner import hf_checkpointing
-from planner.calibration import (
-    Calibration,
-    CalibrationTimer,
-    model_dtype,
-    pricing_key,
-    reuse_priced,
-)
-from planner.devices import DeviceProfile
-from planner.fsdp import FSDPConfig, per_rank
-from planner.guard import PlannedShape, install_guard, planned_shape, remove_guard
-from planner.measurement import measured_step_time
+from planner.guard import remove_guard
 from planner.offload import offloaded_call
-from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
-from planner.passes.rewrite import NamedRegion as Region
+from planner.passes.eager import ForwardWrapper
 from planner.passes.rewrite import _outside_selective_checkpointing
-from planner.passes.step import LossFn
-from planner.plan_file import FORMAT, VERSION, _checksum, read_plan_body
-from planner.solvers.costgraph import CostGraph, Schedule
-from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
-from planner.solvers.registry import get_solver
-from planner.solvers.simulate import Simulation, simulate
-
-FORM = "inplace"
-SPAN_SOLVERS = ("auto", "dp", "ilp", "none")  # the solvers that keep to CostGraph.region_spans
+from planner.plans import Plan, Region
+from planner.solvers.errors import PlanFileError
 
 
-@dataclass(frozen=True)
-class ModuleRegion:
-    """What applying needs of one region: no graph, no shapes.
-
-    ``keeps``: (op overload, occurrence within the call) of the ops whose outputs a selective
-    region keeps; ``ops``: the overloads its forward was planned to run, in order (the ops a
-    selective-checkpoint policy is asked about), to detect divergence at run time.
-    """
-
-    path: str
-    kind: str = "recompute"
-    depth: int = 0
-    keeps: tuple[tuple[str, int], ...] = ()
-    ops: tuple[str, ...] = ()
-    # buffers its forward writes (BatchNorm statistics), relative to it: recomputed on copies
-    state_buffers: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class InplacePlan:
-    """A plan carried out on the model's own modules (``p.apply(model)``).
-
-    Bytes are peak bytes of one forward+loss+backward step above the pre-step baseline
-    (DESIGN.md), predicted on what eager runs. ``regions`` name module paths; their ``nodes``
-    are the op nodes (``blocks.0.attn:addmm:2``) of the eager CostGraph.
-    """
-
-    solver: str
-    regions: tuple[Region, ...]
-    module_regions: tuple[ModuleRegion, ...]
-    budget_bytes: int
-    predicted_peak_bytes: int
-    baseline_peak_bytes: int
-    predicted_recompute_flops: int
-    step_flops: int
-    model_class: str
-    module_tree: tuple[tuple[str, str], ...] = field(repr=False)
-    graph: CostGraph | None = field(default=None, repr=False)
-    schedule: Schedule | None = field(default=None, repr=False)
-    simulation: Simulation | None = field(default=None, repr=False)
-    solve_time_s: float = field(default=0.0, repr=False)
-    # (name, shape) of every parameter: a plan never applies to a model of other widths
-    # (empty: a file saved before they were recorded, not checked)
-    parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
-    precision: str = ""  # the dtypes it was priced in (passes/step.py precision_text)
-    # the example input's shape and how the peak scales off it (planner/guard.py); None for a
-    # plan built without an example input or read from a file saved before plans recorded it
-    planned_shape: PlannedShape | None = field(default=None, repr=False)
-
-    form = FORM
-
-    @property
-    def module(self) -> torch.nn.Module:
-        raise PlannerError(
-            "an in-place plan has no separate module: apply it to your model with "
-            "p.apply(model) (or planner.apply_plan(model, path)), and train the model itself; "
-            "plan with form='graph' for a GraphModule"
-        )
-
-    @property
-    def predicted_recompute_time_s(self) -> float:
-        return 0.0 if self.simulation is None else self.simulation.recompute_time_s
-
-    @property
-    def predicted_step_time_s(self) -> float:
-        """Forward + backward + recomputation + checkpoint overhead of one step, in seconds
-        (0 for a plan read from a file: it was not priced here)."""
-        return 0.0 if self.simulation is None else self.simulation.step_time_s
-
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``model``'s own region modules in place; returns the same object. The model
-        warns once (``planner.OverShapeWarning``) when called with a larger input than
-        planned."""
-        check_fits(
-            model,
-            self.model_class,
-            self.module_tree,
-            self.module_regions,
-            "the plan",
-            self.parameter_shapes,
-        )
-        apply_regions(model, self.module_regions, self)
-        install_guard(model, self.planned_shape, self.budget_bytes)
-        return model
-
-    def summary(self, verbose: bool = False) -> str:
-        """A table of the regions and the predicted memory and recompute cost (``verbose``:
-        what the solver reported too, as ``Plan.summary``)."""
-        from planner.report import plan_summary
-
-        return plan_summary(self, verbose=verbose)  # type: ignore[arg-type]
-
-    def save(self, path: str | Path) -> None:
-        """Write a JSON that ``planner.apply_plan(model, path)`` applies in place."""
-        save_inplace(self, path)
+def ModuleRegion(  # noqa: N802 - its name when it was a class of its own
+    path: str,
+    kind: str = "recompute",
+    depth: int = 0,
+    keeps: tuple[tuple[str, int], ...] = (),
+    ops: tuple[str, ...] = (),
+    state_buffers: tuple[str, ...] = (),
+) -> Region:
+    """The region of an in-place plan for module ``path``, with what applying needs and no
+    graph nodes: ``planner.Region`` (planner/plans.py), named by its path."""
+    return Region(path, (), depth, kind, keeps=keeps, ops=ops, state_buffers=state_buffers)
 
 
 def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
@@ -186,132 +85,6 @@ def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
 
 def parameter_shapes(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
-
-
-def check_span_solver(solver: str) -> None:
-    """UnsupportedModelError for a solver whose regions need not be module calls."""
-    get_solver(solver)  # an unknown name fails with the registry's own message
-    if solver not in SPAN_SOLVERS:
-        raise UnsupportedModelError(
-            f"solver {solver!r} places regions between arbitrary nodes; an in-place plan's "
-            f"regions are module calls, which only {', '.join(map(repr, SPAN_SOLVERS))} keep "
-            f"to. Use one of those, or plan with form='graph'."
-        )
-
-
-def price_inplace(
-    model: torch.nn.Module,
-    example_input: Any,
-    loss_fn: LossFn | None = None,
-    *,
-    device: DeviceProfile | None = None,
-    fsdp: FSDPConfig | None = None,
-    calibration: Calibration | str | Path | None = None,
-) -> EagerGraph:
-    """Price ``model``'s eager step for an in-place plan.
-
-    ``device``: the profile to price time for; None prices the model's own device, from its
-    calibration (``planner/calibration.py``: its ops timed there once, as ``planning.price``
-    does for a graph). ``calibration``: pin one (a ``Calibration`` or the path of one).
-    ``fsdp``: price one rank of FSDP2 sharding instead of one process holding the whole model
-    (``planner/fsdp.py``).
-    """
-    on_device = any(p.device.type != "meta" for p in model.parameters())
-    time_ops = device is None and on_device
-
-    def make() -> EagerGraph:
-        with hf_checkpointing.paused(model):
-            eg = eager_graph(
-                model,
-                example_input,
-                loss_fn,
-                rates=device,
-                time_ops=time_ops,
-                timer=CalibrationTimer(
-                    model_dtype(model),
-                    calibration,
-                    step=lambda clock: measured_step_time(
-                        model, example_input, loss_fn, clock=clock
-                    ),
-                )
-                if time_ops
-                else None,
-            )
-        return eg if fsdp is None else per_rank(model, eg, fsdp)
-
-    # the same model and input shapes priced earlier in this process: the same pricing
-    key = pricing_key(model, example_input, calibration, "inplace", loss_fn, device, fsdp)
-    return reuse_priced(key, model, make)
-
-
-def build_inplace_plan(
-    model: torch.nn.Module,
-    eg: EagerGraph,
-    schedule: Schedule,
-    budget_bytes: int,
-    *,
-    solve_time_s: float = 0.0,
-    example_input: Any = None,
-) -> InplacePlan:
-    """The plan for ``schedule``; ``example_input``: the input it was priced on, recorded so
-    that the applied model can tell a larger one (planner/guard.py)."""
-    graph = eg.graph
-    simulation = simulate(graph, schedule)  # validates: regions are module spans
-    regions, module_regions = [], []
-    for r in sorted(schedule.regions, key=lambda r: (r.start, -r.stop)):
-        path = eg.spans[(r.start, r.stop)]
-        saved = sorted(r.saved_nodes)
-        regions.append(
-            Region(
-                name=path,
-                nodes=tuple(graph.nodes[i].name for i in range(r.start, r.stop)),
-                depth=r.depth,
-                kind=r.kind,
-                saved_nodes=tuple(graph.nodes[i].name for i in saved),
-            )
-        )
-        module_regions.append(
-            ModuleRegion(
-                path=path,
-                kind=r.kind,
-                depth=r.depth,
-                keeps=tuple(eg.op_key(i, r.start) for i in saved),
-                ops=tuple(eg.op_sequence(r.start, r.stop)),
-                state_buffers=eg.state_buffers.get(path, ()),
-            )
-        )
-    return InplacePlan(
-        regions=tuple(regions),
-        module_regions=tuple(module_regions),
-        model_class=type(model).__name__,
-        module_tree=module_tree(model),
-        parameter_shapes=parameter_shapes(model),
-        precision=eg.graph.meta.get("precision", ""),
-        solve_time_s=solve_time_s,
-        planned_shape=(
-            None
-            if example_input is None
-            else planned_shape(example_input, graph, simulation.peak_bytes)
-        ),
-        **predictions(graph, schedule, simulation, budget_bytes),
-    )
-
-
-def predictions(
-    graph: CostGraph, schedule: Schedule, simulation: Simulation, budget_bytes: int
-) -> dict[str, Any]:
-    """The fields a plan of either form (Plan, InplacePlan) takes from its solve."""
-    return dict(
-        solver=schedule.solver,
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=simulation.peak_bytes,
-        baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
-        predicted_recompute_flops=simulation.recompute_flops,
-        step_flops=graph.step_flops,
-        graph=graph,
-        schedule=schedule,
-        simulation=simulation,
-    )
 
 
 # --------------------------------------------------------------------------- run time
@@ -430,7 +203,7 @@ class _TracedDecisions:
 class _RegionForward(ForwardWrapper):
     """A region module's forward: checkpointed while training with grad, plain otherwise."""
 
-    def __init__(self, region: ModuleRegion) -> None:
+    def __init__(self, region: Region) -> None:
         self.region = region
         keeps, occurrences = frozenset(region.keeps), defaultdict(int)
         decisions = []
@@ -569,17 +342,17 @@ def _updating_once(
 
 
 def apply_regions(
-    model: torch.nn.Module, regions: tuple[ModuleRegion, ...], plan: InplacePlan | None = None
+    model: torch.nn.Module, regions: tuple[Region, ...], plan: Plan | None = None
 ) -> torch.nn.Module:
     """Wrap each region's module of ``model`` in place (any earlier plan is removed first), and
     record ``plan`` on it, Hugging Face's own checkpointing turned off (hf_checkpointing.py)."""
     remove(model)
     wrap_regions(model, regions)
-    hf_checkpointing.mark_applied(model, plan, regions)
+    hf_checkpointing.mark_applied(model, plan, regions, wrap_regions, unwrap_regions)
     return model
 
 
-def wrap_regions(model: torch.nn.Module, regions: tuple[ModuleRegion, ...]) -> None:
+def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
     for region in regions:
         _RegionForward(region).install(model.get_submodule(region.path))
 
@@ -605,7 +378,7 @@ def check_fits(
     model: torch.nn.Module,
     model_class: str,
     tree: tuple[tuple[str, str], ...],
-    regions: tuple[ModuleRegion, ...],
+    regions: tuple[Region, ...],
     source: str,
     shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> None:
@@ -661,131 +434,3 @@ def _check_shapes(
     if ours:
         name = next(iter(ours))
         raise PlanFileError(f"{source} was made for a model without parameter {name!r}. {fix}")
-
-
-# --------------------------------------------------------------------------- plan files
-
-
-def _tree_hash(tree: tuple[tuple[str, str], ...]) -> str:
-    return hashlib.sha256(json.dumps(tree).encode()).hexdigest()
-
-
-def save_inplace(plan: InplacePlan, path: str | Path) -> None:
-    body = {
-        "format": FORMAT,
-        "version": VERSION,
-        "form": FORM,
-        "torch_version": torch.__version__,
-        "model_class": plan.model_class,
-        "fingerprint": _tree_hash(plan.module_tree),
-        "module_tree": [list(m) for m in plan.module_tree],
-        "parameter_shapes": [[name, list(shape)] for name, shape in plan.parameter_shapes],
-        "precision": plan.precision,
-        "solver": plan.solver,
-        "budget_bytes": plan.budget_bytes,
-        "regions": [
-            {
-                "module": m.path,
-                "kind": m.kind,
-                "depth": m.depth,
-                "keeps": [list(k) for k in m.keeps],
-                "ops": list(m.ops),
-                "state_buffers": list(m.state_buffers),
-                "nodes": list(r.nodes),
-                "saved_nodes": list(r.saved_nodes),
-            }
-            for m, r in zip(plan.module_regions, plan.regions)
-        ],
-        "predictions": {
-            "peak_bytes": plan.predicted_peak_bytes,
-            "baseline_peak_bytes": plan.baseline_peak_bytes,
-            "recompute_flops": plan.predicted_recompute_flops,
-            "step_flops": plan.step_flops,
-        },
-        "planned_shape": None
-        if (shape := plan.planned_shape) is None
-        else {
-            "shape": list(shape.shape),
-            "predicted_peak_bytes": shape.predicted_peak_bytes,
-            "fixed_bytes": shape.fixed_bytes,
-            "attention_share": shape.attention_share,
-        },
-    }
-    body["checksum"] = _checksum(body)
-    Path(path).write_text(json.dumps(body, indent=1) + "\n")
-
-
-def load_inplace(path: str | Path) -> InplacePlan:
-    """Read an in-place plan file (no graph: the predictions are the saved ones)."""
-    body = read_plan_body(path)
-    if body.get("form") != FORM:
-        raise PlanFileError(
-            f"{path} holds a graph plan (regions of a captured graph), which needs the model's "
-            f"example input: planner.apply_plan(model, path, example_input). To apply a plan "
-            f"in place, plan with planner.plan(..., form='inplace') and save that."
-        )
-    try:
-        tree = tuple((str(p), str(k)) for p, k in body["module_tree"])
-        if _tree_hash(tree) != body["fingerprint"]:
-            raise ValueError("module tree fingerprint")
-        module_regions, regions = [], []
-        for r in body["regions"]:
-            m = ModuleRegion(
-                path=str(r["module"]),
-                kind=str(r["kind"]),
-                depth=int(r["depth"]),
-                keeps=tuple((str(op), int(k)) for op, k in r["keeps"]),
-                ops=tuple(str(op) for op in r["ops"]),
-                state_buffers=tuple(str(b) for b in r.get("state_buffers", ())),
-            )
-            module_regions.append(m)
-            nodes, saved = tuple(map(str, r["nodes"])), tuple(map(str, r["saved_nodes"]))
-            regions.append(Region(m.path, nodes, m.depth, m.kind, saved))
-        pred = body["predictions"]
-        shape = body.get("planned_shape")  # absent from files saved before it was recorded
-        if shape is not None:
-            shape = PlannedShape(
-                shape=tuple(int(d) for d in shape["shape"]),
-                predicted_peak_bytes=int(shape["predicted_peak_bytes"]),
-                fixed_bytes=int(shape["fixed_bytes"]),
-                attention_share=float(shape["attention_share"]),
-            )
-        return InplacePlan(
-            solver=str(body["solver"]),
-            regions=tuple(regions),
-            module_regions=tuple(module_regions),
-            budget_bytes=int(body["budget_bytes"]),
-            predicted_peak_bytes=int(pred["peak_bytes"]),
-            baseline_peak_bytes=int(pred["baseline_peak_bytes"]),
-            predicted_recompute_flops=int(pred["recompute_flops"]),
-            step_flops=int(pred["step_flops"]),
-            model_class=str(body["model_class"]),
-            module_tree=tree,
-            parameter_shapes=tuple(
-                (str(name), tuple(int(d) for d in shape))
-                for name, shape in body.get("parameter_shapes", ())
-            ),
-            precision=str(body.get("precision", "")),
-            planned_shape=shape,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise PlanFileError(
-            f"{path} is missing or has a malformed field ({e!r}). Save the plan again with "
-            f"plan.save(path)."
-        ) from e
-
-
-def apply_plan_file(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
-    """``planner.apply_plan(model, path)``: check the file fits ``model``, then wrap in place."""
-    plan = load_inplace(path)
-    check_fits(
-        model,
-        plan.model_class,
-        plan.module_tree,
-        plan.module_regions,
-        str(path),
-        plan.parameter_shapes,
-    )
-    apply_regions(model, plan.module_regions, plan)
-    install_guard(model, plan.planned_shape, plan.budget_bytes)
-    return model

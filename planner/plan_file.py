@@ -1,30 +1,33 @@
 """The saved-plan format: ``plan.save(path)`` writes it, ``planner.apply_plan`` reads it.
 
-The file is JSON: a format tag and version, a fingerprint of the captured graph (node names,
-targets, edges, output shapes and dtypes), the solver, the regions by fx node names and kinds,
-the budget and the predictions, and a checksum over all of it. Applying a plan
-(``planning.apply_plan``) re-captures the model and refuses, with a ``PlanFileError``, any file
-that is not valid JSON, is from another format version, was edited, or does not fit the captured
-graph: a plan never silently yields a different module.
+One format for both forms: JSON with a format tag and version, the form, the solver, its note,
+the budget, the regions (their cost-graph node names, depth and kind; in place also what
+applying needs), the predictions (every field of ``plans.Predictions``, by its name) and the
+form's own part (its target's fields: a fingerprint of the captured graph for a graph plan,
+the module tree and parameter shapes for an in-place one), with a checksum over all of it.
+Applying refuses, with a ``PlanFileError``, any file that is not valid JSON, is from another
+format version, was edited, or does not fit the model (the form's check): a plan never
+silently yields a different module. Files saved before the form was recorded are graph plans.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, get_type_hints
 
 import torch
 
-from planner.passes.rewrite import NamedRegion
+from planner import plans
+from planner.plans import Plan, Region
 from planner.solvers.errors import PlanFileError
-
-if TYPE_CHECKING:
-    from planner.planning import Plan
 
 FORMAT = "planner-plan"
 VERSION = 1
+FIX = "Save the plan again with plan.save(path), or plan anew with planner.plan(...)."
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -46,29 +49,37 @@ def _checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def save_plan(plan: Plan, path: str | Path) -> None:
+def _region_json(region: Region, form: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": region.name,
+        "nodes": list(region.nodes),
+        "depth": region.depth,
+        "kind": region.kind,
+        "saved_nodes": list(region.saved_nodes),
+    }
+    if form == "inplace":  # under the keys in-place files have always had
+        entry |= {
+            "module": region.path,
+            "keeps": [list(k) for k in region.keeps],
+            "ops": list(region.ops),
+            "state_buffers": list(region.state_buffers),
+        }
+    return entry
+
+
+def save_plan(plan: Plan, path: str | Path, part: Mapping[str, Any]) -> None:
+    """Write ``plan`` to ``path``; ``part``: its target's own fields, as JSON values."""
     body = {
         "format": FORMAT,
         "version": VERSION,
+        "form": plan.form,
         "torch_version": torch.__version__,
-        "fingerprint": plan.fingerprint,
         "solver": plan.solver,
+        "notes": plan.notes,
         "budget_bytes": plan.budget_bytes,
-        "regions": [
-            {
-                "name": r.name,
-                "nodes": list(r.nodes),
-                "depth": r.depth,
-                "kind": r.kind,
-                "saved_nodes": list(r.saved_nodes),
-            }
-            for r in plan.regions
-        ],
-        "predictions": {
-            "peak_bytes": plan.predicted_peak_bytes,
-            "baseline_peak_bytes": plan.baseline_peak_bytes,
-            "recompute_flops": plan.predicted_recompute_flops,
-        },
+        "regions": [_region_json(r, plan.form) for r in plan.regions],
+        "predictions": asdict(plan.predictions),
+        **part,
     }
     body["checksum"] = _checksum(body)
     Path(path).write_text(json.dumps(body, indent=1) + "\n")
@@ -76,52 +87,54 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def read_plan_body(path: str | Path) -> dict[str, Any]:
     """Read a plan file and check its format, version and checksum (any form of plan)."""
-    fix = "Save the plan again with plan.save(path), or plan anew with planner.plan(...)."
     try:
         body = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise PlanFileError(f"no plan file at {path}") from None
     except OSError as e:
-        raise PlanFileError(f"cannot read plan file {path}: {e.strerror}. {fix}") from e
+        raise PlanFileError(f"cannot read plan file {path}: {e.strerror}. {FIX}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanFileError(f"{path} is not valid JSON (truncated or corrupt?): {e}. {fix}") from e
+        raise PlanFileError(f"{path} is not valid JSON (truncated or corrupt?): {e}. {FIX}") from e
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise PlanFileError(f"{path} is not a planner plan file. {fix}")
+        raise PlanFileError(f"{path} is not a planner plan file. {FIX}")
     if body.get("version") != VERSION:
         raise PlanFileError(
             f"{path} has plan format version {body.get('version')!r}; this planner reads "
-            f"version {VERSION}. {fix}"
+            f"version {VERSION}. {FIX}"
         )
     checksum = body.pop("checksum", None)
     if checksum != _checksum(body):
         raise PlanFileError(
-            f"{path} was modified after it was saved (its checksum does not match). {fix}"
+            f"{path} was modified after it was saved (its checksum does not match). {FIX}"
         )
+    body.setdefault("form", "graph")  # saved before the form was recorded: graph plans only
     return body
 
 
-def load_plan_file(path: str | Path) -> dict[str, Any]:
-    """Read and check a graph plan file's form (not yet its fit to a model)."""
-    fix = "Save the plan again with plan.save(path), or plan anew with planner.plan(...)."
-    body = read_plan_body(path)
-    if body.get("form", "graph") != "graph":
-        raise PlanFileError(
-            f"{path} holds an in-place plan: apply it with planner.apply_plan(model, path) "
-            f"(no example input), or plan with form='graph' for a GraphModule."
+def read_regions(body: Mapping[str, Any]) -> tuple[Region, ...]:
+    """The regions of a checked body (KeyError, TypeError or ValueError when malformed)."""
+    return tuple(
+        Region(
+            name=str(r["name"] if "name" in r else r["module"]),
+            nodes=tuple(str(n) for n in r["nodes"]),
+            depth=int(r["depth"]),
+            kind=str(r["kind"]),
+            saved_nodes=tuple(str(n) for n in r["saved_nodes"]),
+            keeps=tuple((str(op), int(k)) for op, k in r.get("keeps", ())),
+            ops=tuple(str(op) for op in r.get("ops", ())),
+            state_buffers=tuple(str(b) for b in r.get("state_buffers", ())),
         )
-    try:
-        regions = [
-            NamedRegion(
-                name=str(r["name"]),
-                nodes=tuple(str(n) for n in r["nodes"]),
-                depth=int(r["depth"]),
-                kind=str(r["kind"]),
-                saved_nodes=tuple(str(n) for n in r["saved_nodes"]),
-            )
-            for r in body["regions"]
-        ]
-        body["regions"] = regions
-        int(body["budget_bytes"]), str(body["solver"]), str(body["fingerprint"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise PlanFileError(f"{path} is missing or has a malformed field ({e!r}). {fix}") from e
-    return body
+        for r in body["regions"]
+    )
+
+
+def read_predictions(data: Mapping[str, Any]) -> plans.Predictions:
+    """``plans.Predictions`` from its fields by name, each converted to its declared type; a
+    field the file lacks takes its default (files saved before it existed)."""
+    cls = plans.Predictions  # looked up now: the type a plan of this planner holds
+    types = get_type_hints(cls)
+    return cls(**{f.name: types[f.name](data[f.name]) for f in fields(cls) if f.name in data})
+
+
+def malformed(path: str | Path, error: Exception) -> PlanFileError:
+    return PlanFileError(f"{path} is missing or has a malformed field ({error!r}). {FIX}")

@@ -15,17 +15,14 @@ returned figure shows itself.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from matplotlib.figure import Figure
 
+from planner.plans import Plan
 from planner.report import dropping_region
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.costgraph import Region as Span
-
-if TYPE_CHECKING:
-    from planner.comparison import Comparison
-    from planner.planning import Plan
 
 MIB = 2**20
 PHASE_COLOURS = {"fwd": "tab:blue", "recompute": "tab:orange", "bwd": "tab:green"}
@@ -199,6 +196,20 @@ def plot_nodes(plan: Plan, *, ax: Any = None) -> Figure:
     return fig
 
 
+class Rows(Protocol):
+    """What :func:`plot_pareto` reads of a ``planner.Comparison`` (by shape: ``comparison``
+    draws itself with this module, so this module does not import it back)."""
+
+    @property
+    def rows(self) -> Sequence[Any]: ...  # comparison.Row
+
+    @property
+    def eager_predicted_peak_bytes(self) -> int: ...
+
+    @property
+    def eager_measured_peak_bytes(self) -> int | None: ...
+
+
 def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Points (peak, cost) no other point beats on both, sorted by peak."""
     front: list[tuple[float, float]] = []
@@ -208,7 +219,7 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
     return front
 
 
-def plot_pareto(comparison: Comparison, *, ax: Any = None) -> Figure:
+def plot_pareto(comparison: Rows, *, ax: Any = None) -> Figure:
     """Peak memory vs predicted recompute time (ms) for every feasible row, a front per solver.
 
     Time, not FLOPs: it is what the solvers minimise (pointwise ops cost time and no FLOPs),

@@ -1,138 +1,135 @@
-"""A model priced once in either form, then solved and built as often as asked.
+"""A model priced once, then solved and built as often as asked: what both forms share.
 
 ``planner.plan`` prices, solves and builds once. The command line (a budget given as a
 percentage of the priced eager peak), ``planner.compare`` (every solver at every budget) and
-``planner.fit_batch`` (the best plan per batch size) price once and solve many times; they take
-the priced model from :func:`price_form`, which offers the same steps for both forms:
-
-- ``form="inplace"``: :class:`PricedInplace`, the model's eager step (``inplace.price_inplace``),
-  plans carried out by ``p.apply(model)``;
-- ``form="graph"``: ``planning.PricedModel``, the captured graph, plans carried out by
-  ``p.module``.
-
-Both check the same things before the slow part as ``planner.plan`` does, so every entry point
-raises the same errors for the same options.
+``planner.fit_batch`` (the best plan per batch size) price once and solve many times. Each form
+(``planner/graph_form.py``, ``planner/inplace_form.py``) prices into a subclass of
+:class:`Priced`, which offers the same steps: ``solve``, ``build`` (the form's own), ``plan``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+import time
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any, ClassVar
 
 import torch
 
-from planner.calibration import Calibration
-from planner.devices import DeviceProfile, device_profile
-from planner.fsdp import FSDPConfig
-from planner.inplace import InplacePlan, build_inplace_plan, check_span_solver, price_inplace
-from planner.passes.eager import EagerGraph
-from planner.passes.step import LossFn
-from planner.planning import (
-    FORMS,
-    OnStep,
-    PricedModel,
-    _no_progress,
-    check_trainable,
-    price,
-)
-from planner.solvers.costgraph import CostGraph, Objective, Schedule, check_objective
-from planner.solvers.registry import get_solver
+from planner.plans import Plan, Predictions
+from planner.solvers.costgraph import CostGraph, Objective, Schedule
+from planner.solvers.errors import UnsupportedModelError
+from planner.solvers.registry import get_solver, solve
+from planner.solvers.simulate import Simulation, simulate
+
+# Called with the name of each step as it starts ("capture", "estimate", "solve", "build"),
+# e.g. to move a progress bar.
+OnStep = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class PricedInplace:
-    """A model's eager step priced once for in-place plans: what every solve of it starts from.
+def _no_progress(step: str) -> None:
+    pass
 
-    The same steps as ``planning.PricedModel``: ``solve``, ``build``, ``plan``.
+
+def check_trainable(model: torch.nn.Module) -> None:
+    """UnsupportedModelError for a model with no parameter to train."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UnsupportedModelError(
+            f"no parameter of {type(model).__name__} requires grad, so a training step has "
+            f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
+            f"(param.requires_grad_(True)) before planning"
+        )
+
+
+def predictions(
+    graph: CostGraph, schedule: Schedule, simulation: Simulation, budget_bytes: int
+) -> dict[str, Any]:
+    """The fields a plan of either form takes from its solve."""
+    return dict(
+        solver=schedule.solver,
+        budget_bytes=budget_bytes,
+        predictions=Predictions(
+            peak_bytes=simulation.peak_bytes,
+            baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
+            recompute_flops=simulation.recompute_flops,
+            step_flops=graph.step_flops,
+            recompute_time_s=simulation.recompute_time_s,
+            step_time_s=simulation.step_time_s,
+        ),
+        notes=schedule.note,
+        graph=graph,
+        schedule=schedule,
+        simulation=simulation,
+    )
+
+
+class Priced:
+    """Steps 3 and 4 over a priced step (``graph``): what every solve of it starts from.
+
+    A form subclasses it with its ``build`` and, where it takes fewer solvers, its
+    ``check_solver``.
     """
 
-    model: torch.nn.Module
-    eager: EagerGraph
-    example_input: Any = None  # the shape the applied plan guards (planner/guard.py)
+    form: ClassVar[str]
+    graph: CostGraph
 
-    form = "inplace"
+    @staticmethod
+    def check_solver(solver: str) -> None:
+        """Raise for a solver this form cannot carry out (the registry's own check by
+        default: an unknown name)."""
+        get_solver(solver)
 
-    @property
-    def graph(self) -> CostGraph:
-        return self.eager.graph
+    @cached_property
+    def eager_peak_bytes(self) -> int:
+        """Predicted peak of one step without checkpointing."""
+        return simulate(self.graph, Schedule()).peak_bytes
 
-    # the same no-checkpoint peak and solve as the graph form's, over this form's own graph
-    eager_peak_bytes = PricedModel.eager_peak_bytes
+    def solve(
+        self,
+        budget_bytes: int,
+        solver: str = "auto",
+        *,
+        objective: Objective = "time",
+        max_recompute_flops_fraction: float | None = None,
+        **solver_opts: Any,
+    ) -> Schedule:
+        """Step 3: the schedule ``solver`` chooses for ``budget_bytes``, minimising
+        ``objective`` (``"time"`` or ``"flops"``, see ``graph_for_objective``), recomputing at
+        most ``max_recompute_flops_fraction`` of the step's FLOPs if given (see
+        ``planner.plan``).
 
-    def solve(self, budget_bytes: int, solver: str = "auto", **options: Any) -> Schedule:
-        """``PricedModel.solve``, for the solvers whose regions are module calls only
-        (``inplace.SPAN_SOLVERS``)."""
-        check_span_solver(solver)
-        return PricedModel.solve(self, budget_bytes, solver, **options)  # type: ignore[arg-type]
+        ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
+        error to raise).
+        """
+        self.check_solver(solver)
+        return solve(
+            self.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
+        )
 
-    def build(
-        self, schedule: Schedule, budget_bytes: int, *, solve_time_s: float = 0.0
-    ) -> InplacePlan:
-        return build_inplace_plan(
-            self.model,
-            self.eager,
-            schedule,
+    def build(self, schedule: Schedule, budget_bytes: int, *, solve_time_s: float = 0.0) -> Plan:
+        """Step 4: the plan that carries ``schedule`` out, in this form."""
+        raise NotImplementedError
+
+    def plan(
+        self,
+        budget_bytes: int,
+        solver: str = "auto",
+        *,
+        objective: Objective = "time",
+        max_recompute_flops_fraction: float | None = None,
+        on_step: OnStep = _no_progress,
+        **solver_opts: Any,
+    ) -> Plan:
+        """Steps 3 and 4: solve for ``budget_bytes`` with ``solver`` and build the plan."""
+        on_step("solve")
+        t0 = time.perf_counter()
+        schedule = self.solve(
             budget_bytes,
-            solve_time_s=solve_time_s,
-            example_input=self.example_input,
+            solver,
+            objective=objective,
+            max_recompute_flops_fraction=max_recompute_flops_fraction,
+            **solver_opts,
         )
-
-    # solve, then build: the same two steps as the graph form's, over this form's own
-    plan = PricedModel.plan
-
-
-def check_form_options(
-    form: str,
-    solvers: tuple[str, ...] | list[str] = ("auto",),
-    *,
-    objective: Objective = "time",
-    device: str | DeviceProfile | None = None,
-    fsdp: FSDPConfig | None = None,
-) -> DeviceProfile | None:
-    """The checks ``planner.plan`` makes before the slow part; returns the device profile."""
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    check_objective(objective)
-    for name in solvers:
-        check_span_solver(name) if form == "inplace" else get_solver(name)
-    profile = None if device is None else device_profile(device)
-    if fsdp is not None and not isinstance(fsdp, FSDPConfig):
-        raise TypeError(f"fsdp must be a planner.FSDPConfig, got {type(fsdp).__name__}")
-    if fsdp is not None and form != "inplace":
-        raise ValueError(
-            "fsdp plans are applied in place before fully_shard (torchtitan's order); plan "
-            "in place (form='inplace', the default) with fsdp=..."
-        )
-    return profile
-
-
-def price_form(
-    model: torch.nn.Module,
-    example_input: Any,
-    form: str = "inplace",
-    *,
-    loss_fn: LossFn | None = None,
-    device: str | DeviceProfile | None = None,
-    fsdp: FSDPConfig | None = None,
-    on_step: OnStep = _no_progress,
-    calibration: Calibration | str | Path | None = None,
-) -> PricedInplace | PricedModel:
-    """Price one training step of ``model`` for plans of ``form`` (see ``planner.plan`` for
-    ``device``, ``calibration`` and ``fsdp``, the latter in place only)."""
-    profile = check_form_options(form, device=device, fsdp=fsdp)
-    if form == "graph":
-        return price(
-            model,
-            example_input,
-            loss_fn=loss_fn,
-            device=profile,
-            on_step=on_step,
-            calibration=calibration,
-        )
-    check_trainable(model)
-    on_step("estimate")  # one pass over the eager step: nothing is captured first
-    eager = price_inplace(
-        model, example_input, loss_fn, device=profile, fsdp=fsdp, calibration=calibration
-    )
-    return PricedInplace(model, eager, example_input)
+        solve_time_s = time.perf_counter() - t0
+        on_step("build")
+        return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)

@@ -19,16 +19,14 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from planner.plans import Plan
 from planner.solvers.costgraph import CostGraph, Region, Tensor
 from planner.solvers.simulate import offload_time_s
-
-if TYPE_CHECKING:
-    from planner.planning import Plan
 
 MIB = 2**20
 GIB = 2**30
@@ -235,7 +233,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
     # An in-place plan's regions are module paths too: one prefix, said once, for both columns
     # (long paths in narrow columns were cut to "model.laye…").
-    in_place = getattr(plan, "form", "graph") == "inplace"
+    in_place = plan.form == "inplace"
     paths = [p for span in spans for p in module_paths(graph, span)]
     prefix = common_path_prefix(paths + [r.name for r in plan.regions] if in_place else paths)
     if prefix:

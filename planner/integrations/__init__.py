@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from planner.inplace import InplacePlan, load_inplace
+from planner.inplace_form import load_inplace
 from planner.passes.step import LossFn
+from planner.plans import InplacePlan
 
 GB = 10**9
 
@@ -61,13 +62,13 @@ def _tile(t: torch.Tensor, rows: int, length: int) -> torch.Tensor:
 
 def load_plan(plan: InplacePlan | str | Path) -> InplacePlan:
     """An ``InplacePlan``, or the one saved at a path (``p.save(path)``)."""
-    if isinstance(plan, InplacePlan):
+    if isinstance(plan, InplacePlan) and plan.form == "inplace":
         return plan
     if isinstance(plan, (str, Path)):
         return load_inplace(plan)
     raise TypeError(
         f"plan must be an InplacePlan (planner.plan(..., form='inplace')) or the path of a saved "
-        f"one, got {type(plan).__name__}"
+        f"one, got {'a graph plan' if isinstance(plan, InplacePlan) else type(plan).__name__}"
     )
 
 
@@ -85,8 +86,7 @@ def make_plan(
 
     Planning runs real steps of ``model`` (timing) under ``fork_rng``, so the training's random
     stream (dropout, shuffling) is the same as without the callback."""
-    from planner.planning import budget_bytes_from_gb, plan
-    from planner.priced import price_form
+    from planner.planning import budget_bytes_from_gb, plan, price_form
 
     with torch.random.fork_rng(devices=_cuda_devices(model)):
         if not isinstance(mem_budget_gb, str):

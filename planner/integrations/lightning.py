@@ -40,10 +40,10 @@ import torch
 from lightning.pytorch import Callback
 
 from planner.hf_checkpointing import applied_plan
-from planner.inplace import InplacePlan
 from planner.integrations import at_shape, callback_plan, make_plan, peak_logs
 from planner.measurement import StepPeak
 from planner.passes.step import LossFn
+from planner.plans import InplacePlan
 
 
 class PlanCallback(Callback):

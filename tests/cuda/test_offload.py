@@ -14,7 +14,7 @@ from torch import nn
 
 import planner
 from planner import offload
-from planner.inplace import build_inplace_plan, price_inplace
+from planner.inplace_form import build_inplace_plan, price_inplace
 from planner.solvers.costgraph import Region, Schedule
 from tests.cuda.common import assert_close_step_copy, gpt
 

@@ -17,7 +17,7 @@ import torch
 import planner
 from benchmarks.conformance_models import DECODER, SEQ, tokens
 from planner.devices import device_profile
-from planner.inplace import price_inplace
+from planner.inplace_form import price_inplace
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 

@@ -25,7 +25,7 @@ from torch import nn
 
 import planner
 from planner.devices import device_profile
-from planner.inplace import build_inplace_plan, price_inplace
+from planner.inplace_form import build_inplace_plan, price_inplace
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.registry import solve
 from planner.solvers.simulate import simulate

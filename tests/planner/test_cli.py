@@ -550,7 +550,7 @@ def test_fit_batch_takes_the_form_and_plans_options(tmp_path, capsys):
 def test_solvers_are_listed_whole_with_the_forms_they_apply_to(capsys):
     from planner.cli import solver_description
     from planner.comparison import solver_names
-    from planner.inplace import SPAN_SOLVERS
+    from planner.inplace_form import SPAN_SOLVERS
     from planner.solvers.registry import SOLVERS
 
     assert main(["solvers"]) == 0

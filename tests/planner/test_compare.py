@@ -248,7 +248,7 @@ def test_pareto_plot_draws_each_solvers_front_eager_and_budgets():
 @pytest.fixture(scope="module")
 def compared():
     import planner.comparison as compare_module
-    import planner.planning as pipeline
+    import planner.graph_form as pipeline  # the form that captures
 
     model, example_input = gpt_ref_small_example()
     calls = {"capture": 0, "estimate": 0}
@@ -333,7 +333,7 @@ def test_compared_plans_train_exactly_like_the_model(compared):
 
 def test_compare_refuses_unknown_solvers_and_bad_budgets_before_capturing(monkeypatch):
     import planner.comparison as compare_module
-    import planner.planning as pipeline
+    import planner.graph_form as pipeline  # the form that captures
 
     def no_capture(*args, **kwargs):
         raise AssertionError("captured before checking its arguments")

@@ -9,7 +9,7 @@ import planner
 from benchmarks.models import GPT, GPT_REF_SMALL
 from planner.batch_search import BatchFit
 from planner.devices import device_profile
-from planner.inplace import price_inplace
+from planner.inplace_form import price_inplace
 from planner.planning import price
 from planner.solvers.dp import solve_dp
 

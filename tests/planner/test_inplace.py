@@ -59,7 +59,7 @@ def test_plan_is_module_granular_and_priced_on_eager(planned):
 def test_selective_and_nested_regions_keep_what_was_planned_bitwise(planned):
     """Op-level keeps (by overload and occurrence) inside a block, and a nested region: the
     gradients are bitwise the model's own and the measured peak is the predicted one."""
-    from planner.inplace import build_inplace_plan
+    from planner.inplace_form import build_inplace_plan
     from planner.passes.eager import eager_graph
     from planner.solvers.costgraph import Region, Schedule
     from planner.solvers.selective import out_bytes, worth_keeping
@@ -94,7 +94,7 @@ def test_offload_regions_run_their_hooks_with_bitwise_gradients(planned, monkeyp
     parameters and the block's input stay as they are), and the gradients are bitwise the
     model's own, dropout included."""
     from planner import offload
-    from planner.inplace import build_inplace_plan
+    from planner.inplace_form import build_inplace_plan
     from planner.passes.eager import eager_graph
     from planner.solvers.costgraph import Region, Schedule
 

@@ -23,7 +23,7 @@ from torch import nn
 
 import planner
 from benchmarks.models import gpt_ref_small_example
-from planner.inplace import build_inplace_plan
+from planner.inplace_form import build_inplace_plan
 from planner.passes.eager import eager_graph
 from planner.planning import price
 from planner.solvers.costgraph import CostGraph, Region, Schedule

@@ -20,7 +20,7 @@ from benchmarks.models import GPTConfig, gpt_example
 from benchmarks.plan_7b import LlamaConfig, llama_example
 from planner.devices import device_profile
 from planner.fsdp import FSDPConfig
-from planner.inplace import build_inplace_plan, price_inplace
+from planner.inplace_form import build_inplace_plan, price_inplace
 from planner.report import format_bytes, format_ms
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.registry import get_solver
