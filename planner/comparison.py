@@ -29,7 +29,14 @@ from planner.passes.step import LossFn
 from planner.planning import check_form_options, price_form
 from planner.plans import GB, Plan, gb_to_bytes
 from planner.plots import plot_pareto
-from planner.report import data_frame, format_bytes, format_ms, plain_text
+from planner.report import (
+    data_frame,
+    format_bytes,
+    format_ms,
+    format_quantity,
+    plain_text,
+    quantity_label,
+)
 from planner.solvers.costgraph import Objective
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
 from planner.solvers.registry import (
@@ -66,6 +73,8 @@ class Row:
     predicted_step_time_s: float | None = None  # forward + backward + recompute (Plan's)
     measured_step_time_s: float | None = None
     offload_bytes: int = 0  # predicted bytes its offload regions send to host
+    # the plan's predictions that have no column above, (name, value): plans.Predictions.others
+    other_predictions: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,8 +100,16 @@ class Comparison:
         return self.plans[key]
 
     def to_pandas(self) -> Any:
-        """The rows as a ``pandas.DataFrame`` (pandas is an optional dependency)."""
-        return data_frame(self.rows, "Comparison.to_pandas()")
+        """The rows as a ``pandas.DataFrame`` (pandas is an optional dependency); other
+        predictions a column each, by name."""
+        frame = data_frame(self.rows, "Comparison.to_pandas()")
+        others = frame.pop("other_predictions") if len(frame) else []
+        for name in self._other_names():
+            frame[f"predicted_{name}"] = [dict(o).get(name) for o in others]
+        return frame
+
+    def _other_names(self) -> list[str]:
+        return list(dict.fromkeys(n for r in self.rows for n, _ in r.other_predictions))
 
     def ranked(self) -> list[Row]:
         """Rows by budget (as given), and within one budget by predicted recompute time, least
@@ -115,6 +132,8 @@ class Comparison:
         header += ["recompute time", "recompute FLOPs", "solve time"]
         offloads = any(r.offload_bytes for r in self.rows)
         header += ["offloaded"] if offloads else []
+        others = self._other_names()
+        header += [quantity_label(n) for n in others]
         rows = self.ranked()
         body = []
         for r in rows:
@@ -130,6 +149,8 @@ class Comparison:
                 time_text = "-" if r.recompute_time_s is None else format_ms(r.recompute_time_s)
                 cells += [time_text, f"+{r.recompute_flops_pct:.1f}%", f"{r.solve_time_s:.2f} s"]
                 cells += [_mib(r.offload_bytes)] if offloads else []
+                own = dict(r.other_predictions)
+                cells += ["-" if n not in own else format_quantity(n, own[n]) for n in others]
             else:
                 least = (
                     f"no: least {_mib(r.least_feasible_bytes)}"
@@ -141,6 +162,7 @@ class Comparison:
                 cells += ["-"] + (["-"] if measured else [])
                 cells += ["-", "-", f"{r.solve_time_s:.2f} s"]
                 cells += ["-"] if offloads else []
+                cells += ["-"] * len(others)
             body.append(cells)
         return rows, header, body
 
@@ -383,6 +405,7 @@ def compare(
                         predicted_step_time_s=p.predicted_step_time_s,
                         measured_step_time_s=None if measured is None else measured.step_time_s,
                         offload_bytes=0 if p.simulation is None else p.simulation.offload_bytes,
+                        other_predictions=p.predictions.others(),
                     )
                 )
                 plans[(name, budget_bytes)] = p

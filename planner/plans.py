@@ -14,7 +14,7 @@ plan file and the summary read the fields as they find them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -75,6 +75,25 @@ class Predictions:
     step_flops: int  # of one step without checkpointing (forward + backward)
     recompute_time_s: float = 0.0
     step_time_s: float = 0.0  # forward + backward + recompute (+ offload transfers)
+
+    # the fields the summary and compare's table put in words of their own; any other is shown
+    # by its name and unit (:meth:`others`)
+    described: ClassVar[frozenset[str]] = frozenset(
+        {
+            "peak_bytes",
+            "baseline_peak_bytes",
+            "recompute_flops",
+            "step_flops",
+            "recompute_time_s",
+            "step_time_s",
+        }
+    )
+
+    def others(self) -> tuple[tuple[str, float], ...]:
+        """(name, value) of every field not in ``described``, in declaration order."""
+        return tuple(
+            (f.name, getattr(self, f.name)) for f in fields(self) if f.name not in self.described
+        )
 
 
 class Target(Protocol):

@@ -50,6 +50,24 @@ def format_ms(time_s: float) -> str:
     return f"{time_s * 1e3:,.2f} ms"
 
 
+def format_quantity(name: str, value: float) -> str:
+    """A value by the unit its name ends in (``_bytes``, ``_flops``, ``_s``)."""
+    if name.endswith("_bytes"):
+        return format_bytes(value)
+    if name.endswith("_flops"):
+        return format_flops(value)
+    if name.endswith("_s"):
+        return format_ms(value)
+    return f"{value:,}"
+
+
+def quantity_label(name: str) -> str:
+    """A field's name without its unit, in words: ``activation_bytes`` -> ``activation``."""
+    for unit in ("_bytes", "_flops", "_s"):
+        name = name.removesuffix(unit)
+    return name.replace("_", " ")
+
+
 def dropping_region(t: Tensor, spans: Sequence[Region]) -> Region | None:
     """The region that stops ``t`` being kept for backward, or None when it is still kept.
 
@@ -204,6 +222,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         + (f" + offload {format_ms(sim.offload_time_s)}" if sim.offload_bytes else "")
         + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
+    others = plan.predictions.others()  # predictions with no line of their own above
+    if others:
+        lines.append(
+            "also predicted: "
+            + ", ".join(f"{quantity_label(n)} {format_quantity(n, v)}" for n, v in others)
+        )
     if graph.meta.get("precision"):  # the dtypes it was priced in: plan as you train
         lines.append(f"priced in {graph.meta['precision']}")
     if plan.regions:
