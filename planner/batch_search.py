@@ -29,7 +29,7 @@ from planner.calibration import Calibration
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig
 from planner.passes.step import LossFn
-from planner.planning import budget_bytes_from_gb, check_form_options, price_form
+from planner.planning import PlanOptions, budget_bytes_from_gb
 from planner.plans import Plan
 from planner.report import data_frame, format_bytes, format_ms, plain_text
 from planner.solvers.costgraph import Objective
@@ -234,7 +234,9 @@ def fit_batch(
     """
     cap_bytes = budget_bytes_from_gb(mem_budget_gb)
     # fail on an unknown solver or option before the slow part
-    profile = check_form_options(form, [solver], objective=objective, device=device, fsdp=fsdp)
+    options = PlanOptions(
+        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction
+    ).checked([solver])
     sweep = batch_sizes is None
     sizes = list(doubling(1, max_batch_size)) if sweep else sorted(set(batch_sizes or ()))
     if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
@@ -250,15 +252,7 @@ def fit_batch(
     bar = tqdm(sizes, disable=not progress, delay=1.0, unit="size", desc="fit_batch")
     for k, b in enumerate(bar):
         bar.set_description(f"fit_batch: batch {b}")
-        priced = price_form(
-            model,
-            make_input(b),
-            form,
-            loss_fn=loss_fn,
-            device=profile,
-            fsdp=fsdp,
-            calibration=calibration,
-        )
+        priced = options.price(model, make_input(b))
         graph = priced.graph
         device_name = graph.meta.get("device", "") + (
             " (ops timed)" if graph.meta["timing"].startswith("ops timed") else " (roofline)"
@@ -278,8 +272,7 @@ def fit_batch(
                 p = priced.plan(
                     cap_bytes,
                     solver,
-                    objective=objective,
-                    max_recompute_flops_fraction=max_recompute_flops_fraction,
+                    **options.solving,
                     **{**solver_opts, "time_limit_s": limit.share_s(shares)},
                 )
         except InfeasibleBudgetError as e:

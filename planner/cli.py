@@ -506,7 +506,6 @@ def check_solvers(form: str, names: Sequence[str]) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.comparison import compare, solver_names
-    from planner.inplace_form import SPAN_SOLVERS
     from planner.planning import check_form_options
 
     budgets_gb = fractions = None
@@ -519,7 +518,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()] if args.solvers else None
     if solvers is not None:
         check_solvers(args.form, solvers)
-    names = solvers or [n for n in solver_names() if args.form == "graph" or n in SPAN_SOLVERS]
+    names = solvers or solver_names(args.form)
     opts = solver_options(args, names)
     profile = profile_name(args.device)
     placement(args.device)  # a device that is neither fails before the model is built

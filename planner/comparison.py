@@ -26,7 +26,7 @@ from planner.inplace_form import SPAN_SOLVERS
 from planner.measurement import Measurement
 from planner.measurement import measure as measure_step
 from planner.passes.step import LossFn
-from planner.planning import check_form_options, price_form
+from planner.planning import PlanOptions
 from planner.plans import GB, Plan, gb_to_bytes
 from planner.plots import plot_pareto
 from planner.report import (
@@ -225,10 +225,11 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def solver_names() -> list[str]:
-    """Every registered solver except 'auto' (which picks one of them), well-known ones first."""
+def solver_names(form: str | None = None) -> list[str]:
+    """Every registered solver except 'auto' (which picks one of them), well-known ones first;
+    with ``form``, those that plan in it (in place: ``inplace_form.SPAN_SOLVERS``)."""
     get_solver("none")  # loads the solver modules, which register themselves
-    names = [n for n in SOLVERS if n != "auto"]
+    names = [n for n in SOLVERS if n != "auto" and (form != "inplace" or n in SPAN_SOLVERS)]
     return sorted(
         names,
         key=lambda n: (
@@ -277,14 +278,11 @@ def compare(
     is left (a solver's own ``time_limit_s`` in ``solver_opts`` caps its share further).
     ``calibration``: as for ``planner.plan``.
     """
-    if solvers is not None:
-        names = list(solvers)
-    elif form == "inplace":
-        names = [n for n in solver_names() if n in SPAN_SOLVERS]
-    else:
-        names = solver_names()
+    names = list(solvers) if solvers is not None else solver_names(form)
     # unknown names, options and solvers that do not suit the form fail before the work
-    profile = check_form_options(form, names, objective=objective, device=device, fsdp=fsdp)
+    options = PlanOptions(
+        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction
+    ).checked(names)
     if fsdp is not None and measure:
         raise ValueError(
             "measure=True runs one process, while an fsdp plan is priced for one rank of "
@@ -324,16 +322,7 @@ def compare(
 
     try:
         t0 = time.perf_counter()
-        priced = price_form(
-            model,
-            example_input,
-            form,
-            loss_fn=loss_fn,
-            device=profile,
-            fsdp=fsdp,
-            on_step=on_step,
-            calibration=calibration,
-        )
+        priced = options.price(model, example_input, on_step)
         bar.update()
         estimate_time_s = time.perf_counter() - t0
         eager_predicted = priced.eager_peak_bytes
@@ -360,13 +349,7 @@ def compare(
                 solves_left -= 1
                 try:
                     with limit.solving():
-                        schedule = priced.solve(
-                            budget_bytes,
-                            name,
-                            objective=objective,
-                            max_recompute_flops_fraction=max_recompute_flops_fraction,
-                            **own,
-                        )
+                        schedule = priced.solve(budget_bytes, name, **options.solving, **own)
                 except InfeasibleBudgetError as e:
                     rows.append(
                         _infeasible(name, budget_bytes, time.perf_counter() - t0, least=e.min_bytes)

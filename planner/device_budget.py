@@ -21,12 +21,15 @@ plan's peak counts gradients once, as created in backward).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from planner.plans import GB, Plan, gb_to_bytes
 from planner.solvers.errors import InvalidBudgetError
 
-GB = 10**9  # decimal gigabytes, as ``mem_budget_gb``
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # Tensors of optimizer state per parameter element, each the size of the parameter in the
 # state's dtype (torch.optim keeps it in the parameter's dtype; Adam's step count is a CPU
@@ -40,6 +43,18 @@ OPTIMIZER_STATES = {
     "adagrad": 1,  # sum
     "lion": 1,  # exp_avg
 }
+
+
+class Holding(TypedDict, total=False):
+    """What a device holds beside the step: :func:`static_memory`'s options, which
+    :func:`step_budget_gb` and :func:`device_fit` take as they are."""
+
+    param_dtype: torch.dtype | None
+    optimizer: str
+    optimizer_dtype: torch.dtype | None
+    master_weights: bool
+    reserve_gb: float
+    fsdp_world_size: int
 
 
 @dataclass(frozen=True)
@@ -104,34 +119,19 @@ def static_memory(
         parameter_bytes=-(-param_bytes // n),
         optimizer_state_bytes=-(-state_bytes // n),
         master_weight_bytes=-(-master_bytes // n),
-        reserve_bytes=round(reserve_gb * GB),
+        reserve_bytes=gb_to_bytes(reserve_gb),
     )
 
 
 def step_budget_gb(
-    model: torch.nn.Module,
-    device_memory_gb: float,
-    *,
-    param_dtype: torch.dtype | None = None,
-    optimizer: str = "adamw",
-    optimizer_dtype: torch.dtype | None = None,
-    master_weights: bool = False,
-    reserve_gb: float = 0.0,
-    fsdp_world_size: int = 1,
+    model: torch.nn.Module, device_memory_gb: float, **holding: Unpack[Holding]
 ) -> float:
     """The ``mem_budget_gb`` to plan with so that a step fits a device of ``device_memory_gb``
-    (decimal GB) beside the parameters and optimizer state (:func:`static_memory` for the
-    options). Raises ``InvalidBudgetError`` when those alone fill the device."""
-    static = static_memory(
-        model,
-        param_dtype=param_dtype,
-        optimizer=optimizer,
-        optimizer_dtype=optimizer_dtype,
-        master_weights=master_weights,
-        reserve_gb=reserve_gb,
-        fsdp_world_size=fsdp_world_size,
-    )
-    left_bytes = round(device_memory_gb * GB) - static.total_bytes
+    (decimal GB) beside the parameters and optimizer state (``holding``: the options of
+    :func:`static_memory`). Raises ``InvalidBudgetError`` when those alone fill the device."""
+    static = static_memory(model, **holding)
+    optimizer = holding.get("optimizer", "adamw")
+    left_bytes = gb_to_bytes(device_memory_gb) - static.total_bytes
     if left_bytes <= 0:
         raise InvalidBudgetError(
             f"parameters ({static.parameter_bytes / GB:.2f} GB), {optimizer} state "
@@ -183,26 +183,10 @@ class DeviceFit:
 
 
 def device_fit(
-    plan: object,
-    model: torch.nn.Module,
-    device_memory_gb: float,
-    *,
-    param_dtype: torch.dtype | None = None,
-    optimizer: str = "adamw",
-    optimizer_dtype: torch.dtype | None = None,
-    master_weights: bool = False,
-    reserve_gb: float = 0.0,
-    fsdp_world_size: int = 1,
+    plan: Plan, model: torch.nn.Module, device_memory_gb: float, **holding: Unpack[Holding]
 ) -> DeviceFit:
     """Whether ``plan`` (its ``predicted_peak_bytes``) fits a device of ``device_memory_gb``
-    beside ``model``'s parameters and optimizer state: the reverse of :func:`step_budget_gb`."""
-    static = static_memory(
-        model,
-        param_dtype=param_dtype,
-        optimizer=optimizer,
-        optimizer_dtype=optimizer_dtype,
-        master_weights=master_weights,
-        reserve_gb=reserve_gb,
-        fsdp_world_size=fsdp_world_size,
-    )
-    return DeviceFit(round(device_memory_gb * GB), static, int(plan.predicted_peak_bytes))  # type: ignore[attr-defined]
+    beside ``model``'s parameters and optimizer state (``holding``: the options of
+    :func:`static_memory`): the reverse of :func:`step_budget_gb`."""
+    static = static_memory(model, **holding)
+    return DeviceFit(gb_to_bytes(device_memory_gb), static, int(plan.predicted_peak_bytes))

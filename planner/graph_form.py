@@ -17,16 +17,15 @@ from typing import Any, ClassVar
 import torch
 
 from planner import hf_checkpointing
-from planner.calibration import Calibration, CalibrationTimer, model_dtype
+from planner.calibration import Calibration
 from planner.devices import DeviceProfile, device_profile
-from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
 from planner.passes.step import LossFn, join_input, model_input, takes_batch
 from planner.plan_file import graph_fingerprint, malformed, read_regions
 from planner.plans import Plan, Region
-from planner.priced import OnStep, Priced, _no_progress, check_trainable, predictions
+from planner.priced import OnStep, Priced, _no_progress, check_trainable, op_timer, predictions
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.costgraph import Region as Span
 from planner.solvers.errors import PlanFileError, PlannerError
@@ -111,26 +110,15 @@ def price(
     with hf_checkpointing.paused(model):  # priced as it runs under the plan
         captured = capture(model, taken)
     on_step("estimate")
-    # On the device itself, time the graph's own ops there; elsewhere (the meta device, or a
-    # profile asked for) the roofline with the profile's rates is all there is.
-    on_device = any(p.device.type != "meta" for p in model.parameters())
-    time_ops = profile is None and on_device
+    timer = op_timer(model, captured.module, example_input, loss_fn, profile, calibration)
     graph = estimate(
         captured.module,
         captured.args,
         captured.kwargs,
         loss_fn=loss_fn,
         rates=profile,
-        time_ops=time_ops,
-        timer=CalibrationTimer(
-            model_dtype(model),
-            calibration,
-            step=lambda clock: measured_step_time(
-                captured.module, example_input, loss_fn, clock=clock
-            ),
-        )
-        if time_ops
-        else None,
+        time_ops=timer is not None,
+        timer=timer,
         batch=example_input,
     )
     return PricedGraph(captured.module, graph, graph_fingerprint(captured.module))

@@ -22,8 +22,6 @@ import torch
 from planner import hf_checkpointing
 from planner.calibration import (
     Calibration,
-    CalibrationTimer,
-    model_dtype,
     pricing_key,
     reuse_priced,
 )
@@ -31,12 +29,11 @@ from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig, per_rank
 from planner.guard import PlannedShape, install_guard, planned_shape
 from planner.inplace import apply_regions, check_fits, module_tree, parameter_shapes
-from planner.measurement import measured_step_time
 from planner.passes.eager import EagerGraph, eager_graph
 from planner.passes.step import LossFn
 from planner.plan_file import malformed, read_plan_body, read_predictions, read_regions
 from planner.plans import Plan, Region
-from planner.priced import Priced, predictions
+from planner.priced import Priced, op_timer, predictions
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
 from planner.solvers.registry import get_solver
@@ -169,23 +166,6 @@ class PricedInplace(Priced):
         )
 
 
-def price(
-    model: torch.nn.Module,
-    example_input: Any,
-    *,
-    loss_fn: LossFn | None = None,
-    device: DeviceProfile | None = None,
-    fsdp: FSDPConfig | None = None,
-    calibration: Calibration | str | Path | None = None,
-) -> PricedInplace:
-    """Step 2 of the pipeline for an in-place plan (see :func:`price_inplace`); nothing is
-    captured first."""
-    eager = price_inplace(
-        model, example_input, loss_fn, device=device, fsdp=fsdp, calibration=calibration
-    )
-    return PricedInplace(model, eager, example_input)
-
-
 def check_span_solver(solver: str) -> None:
     """UnsupportedModelError for a solver whose regions need not be module calls."""
     get_solver(solver)  # an unknown name fails with the registry's own message
@@ -214,26 +194,17 @@ def price_inplace(
     ``fsdp``: price one rank of FSDP2 sharding instead of one process holding the whole model
     (``planner/fsdp.py``).
     """
-    on_device = any(p.device.type != "meta" for p in model.parameters())
-    time_ops = device is None and on_device
 
     def make() -> EagerGraph:
+        timer = op_timer(model, model, example_input, loss_fn, device, calibration)
         with hf_checkpointing.paused(model):
             eg = eager_graph(
                 model,
                 example_input,
                 loss_fn,
                 rates=device,
-                time_ops=time_ops,
-                timer=CalibrationTimer(
-                    model_dtype(model),
-                    calibration,
-                    step=lambda clock: measured_step_time(
-                        model, example_input, loss_fn, clock=clock
-                    ),
-                )
-                if time_ops
-                else None,
+                time_ops=timer is not None,
+                timer=timer,
             )
         return eg if fsdp is None else per_rank(model, eg, fsdp)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "InplacePlan",
     "OnStep",
     "Plan",
+    "PlanOptions",
     "PricedGraph",
     "PricedInplace",
     "PricedModel",
@@ -99,6 +101,52 @@ def check_form_options(
     return profile
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """The options every entry point (``plan``, ``compare``, ``fit_batch``, the command line)
+    takes beside the model, its input, the budget and the solver, as ``plan`` documents them:
+    built once from their keywords, checked once (:meth:`checked`), then handed on whole."""
+
+    form: str = "inplace"
+    loss_fn: LossFn | None = None
+    device: str | DeviceProfile | None = None
+    fsdp: FSDPConfig | None = None
+    calibration: Calibration | str | Path | None = None
+    objective: Objective = "time"
+    max_recompute_flops_fraction: float | None = None
+
+    def checked(self, solvers: Sequence[str] = ("auto",)) -> PlanOptions:
+        """These options, checked before the slow part (:func:`check_form_options`) for
+        ``solvers``, the device resolved to its profile."""
+        profile = check_form_options(
+            self.form, solvers, objective=self.objective, device=self.device, fsdp=self.fsdp
+        )
+        return replace(self, device=profile)
+
+    def price(
+        self, model: torch.nn.Module, example_input: Any, on_step: OnStep = _no_progress
+    ) -> PricedGraph | PricedInplace:
+        """Steps 1 and 2 (:func:`price_form`) with these options."""
+        return price_form(
+            model,
+            example_input,
+            self.form,
+            loss_fn=self.loss_fn,
+            device=self.device,
+            fsdp=self.fsdp,
+            on_step=on_step,
+            calibration=self.calibration,
+        )
+
+    @property
+    def solving(self) -> dict[str, Any]:
+        """The keywords of ``Priced.solve`` and ``Priced.plan`` these options set."""
+        return {
+            "objective": self.objective,
+            "max_recompute_flops_fraction": self.max_recompute_flops_fraction,
+        }
+
+
 def price_form(
     model: torch.nn.Module,
     example_input: Any,
@@ -124,9 +172,10 @@ def price_form(
         )
     check_trainable(model)
     on_step("estimate")  # one pass over the eager step: nothing is captured first
-    return inplace_form.price(
-        model, example_input, loss_fn=loss_fn, device=profile, fsdp=fsdp, calibration=calibration
+    eager = inplace_form.price_inplace(
+        model, example_input, loss_fn, device=profile, fsdp=fsdp, calibration=calibration
     )
+    return PricedInplace(model, eager, example_input)
 
 
 def plan(
@@ -173,24 +222,11 @@ def plan(
     within the budget does.
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
-    # fail on an unknown form, solver or option before the slow part
-    profile = check_form_options(form, (solver,), objective=objective, device=device, fsdp=fsdp)
-    priced = price_form(
-        model,
-        example_input,
-        form,
-        loss_fn=loss_fn,
-        device=profile,
-        fsdp=fsdp,
-        calibration=calibration,
-    )
-    return priced.plan(
-        budget_bytes,
-        solver,
-        objective=objective,
-        max_recompute_flops_fraction=max_recompute_flops_fraction,
-        **solver_opts,
-    )
+    options = PlanOptions(
+        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction
+    ).checked((solver,))  # fail on an unknown form, solver or option before the slow part
+    priced = options.price(model, example_input)
+    return priced.plan(budget_bytes, solver, **options.solving, **solver_opts)
 
 
 def apply_plan(

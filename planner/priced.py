@@ -12,10 +12,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import cached_property
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from planner.calibration import Calibration, CalibrationTimer, model_dtype
+from planner.devices import DeviceProfile
+from planner.measurement import measured_step_time
+from planner.passes.step import LossFn
 from planner.plans import Plan, Predictions
 from planner.solvers.costgraph import CostGraph, Objective, Schedule
 from planner.solvers.errors import UnsupportedModelError
@@ -39,6 +44,28 @@ def check_trainable(model: torch.nn.Module) -> None:
             f"nothing to differentiate and nothing to checkpoint; unfreeze what you train "
             f"(param.requires_grad_(True)) before planning"
         )
+
+
+def op_timer(
+    model: torch.nn.Module,
+    runs: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None,
+    device: DeviceProfile | None,
+    calibration: Calibration | str | Path | None,
+) -> CalibrationTimer | None:
+    """What times a priced step's ops: on the model's own device (no ``device`` profile asked
+    for, parameters not on the meta device), its calibration (``planner/calibration.py``, or
+    ``calibration`` when given), whose step measurements run ``runs``; None elsewhere, where
+    the roofline with the profile's rates is all there is."""
+    on_device = any(p.device.type != "meta" for p in model.parameters())
+    if device is not None or not on_device:
+        return None
+    return CalibrationTimer(
+        model_dtype(model),
+        calibration,
+        step=lambda clock: measured_step_time(runs, example_input, loss_fn, clock=clock),
+    )
 
 
 def predictions(
