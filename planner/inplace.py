@@ -3,7 +3,7 @@
 
 A region is one submodule (every call of it; the planner only offers modules called once per
 step). Applying a plan replaces each region module's ``forward`` by an instance attribute
-(``passes/eager.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
+(``passes/forward_wrapper.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
 module.training``, runs the original forward under non-reentrant
 ``torch.utils.checkpoint.checkpoint`` (RNG state preserved), and otherwise calls it plainly:
 ``model.eval()`` and ``torch.no_grad()`` run the model as it was. Nested regions nest
@@ -64,12 +64,13 @@ from planner.calibration import (
     pricing_key,
     reuse_priced,
 )
-from planner.devices import DeviceProfile
+from planner.devices import DeviceProfile, profile_of_model
 from planner.fsdp import FSDPConfig, per_rank
 from planner.guard import PlannedShape, install_guard, planned_shape, remove_guard
 from planner.measurement import measured_step_time
 from planner.offload import offloaded_call
-from planner.passes.eager import EagerGraph, ForwardWrapper, eager_graph
+from planner.passes.eager import EagerGraph, eager_graph
+from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.rewrite import NamedRegion as Region
 from planner.passes.rewrite import _outside_selective_checkpointing
 from planner.passes.step import LossFn
@@ -225,7 +226,7 @@ def price_inplace(
                 model,
                 example_input,
                 loss_fn,
-                rates=device,
+                rates=device or profile_of_model(model),
                 time_ops=time_ops,
                 timer=CalibrationTimer(
                     model_dtype(model),

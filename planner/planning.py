@@ -27,7 +27,7 @@ import torch
 
 from planner import hf_checkpointing
 from planner.calibration import Calibration, CalibrationTimer, model_dtype
-from planner.devices import DeviceProfile, device_profile
+from planner.devices import DeviceProfile, device_profile, profile_of_model
 from planner.fsdp import FSDPConfig
 from planner.inplace import (
     InplacePlan,
@@ -255,7 +255,7 @@ def price(
         captured.args,
         captured.kwargs,
         loss_fn=loss_fn,
-        rates=profile,
+        rates=profile or profile_of_model(model),
         time_ops=time_ops,
         timer=CalibrationTimer(
             model_dtype(model),
