@@ -16,10 +16,11 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from planner.passes.op_timing import DeviceTiming, OpCall, Timer, measure_timing
 from planner.passes.step import StepTime
-from planner.passes.trace import OpRecord, Segment, Storage, Tracker
+from planner.passes.trace import OpRecord, Segment, Storage, Tracker, is_tensor
 from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
 from planner.solvers.op_classes import SCORE_OPS, is_fused_attention, op_class_tags, short_op_name
 from planner.solvers.rates import DeviceProfile
@@ -30,17 +31,21 @@ SKIP_GAP_NODES = 3
 
 def cost_graph(
     tracker: Tracker,
-    seq_lens: set[int],
+    inputs: Any,
     rates: DeviceProfile,
+    device: torch.device,
     estimator: str,
     sdpa_backend: str | None = None,
 ) -> CostGraph:
-    """The CostGraph of ``tracker``'s records (one node each), timed by ``rates``' roofline.
+    """The CostGraph of ``tracker``'s records (one node each) for a step run on ``device``,
+    timed by ``rates``' roofline, with ``estimator`` named in its ``meta``.
 
-    ``seq_lens``: the input's sequence lengths, which make an (S, S) output attention scores.
-    ``sdpa_backend``: the kernel priced when the tracker saw none dispatched (None: unknown).
+    ``inputs``: the step's input tensors, whose sequence lengths (dimensions past the batch)
+    make an (S, S)-ended output attention scores. ``sdpa_backend``: the kernel priced when the
+    tracker saw none dispatched (None: unknown).
     """
     records = tracker.records
+    seq_lens = {d for x in tree_leaves(inputs) if is_tensor(x) for d in tuple(x.shape)[1:] if d > 1}
     tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
         tracker, [r.name for r in records]
     )
@@ -75,7 +80,8 @@ def cost_graph(
     # Which fused-attention kernel the prices assume: math materialises the S x S scores,
     # flash / memory-efficient keep only the output and a log-sum-exp per row.
     backends = ",".join(sorted(tracker.sdpa_backends)) or sdpa_backend
-    return roofline_graph(nodes, tensors, buffers, rates, estimator, backends)
+    graph = roofline_graph(nodes, tensors, buffers, rates, estimator, backends)
+    return dataclasses.replace(graph, **device_fields(device, rates))
 
 
 def attention_nodes(records: list[OpRecord], seq_lens: set[int]) -> set[int]:

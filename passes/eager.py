@@ -41,13 +41,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from planner.passes.costing import cost_graph, device_fields, with_measured_times
+from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.op_timing import Timer
 from planner.passes.step import (
     LossFn,
     StepTime,
-    amp_backward,
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
@@ -59,7 +58,7 @@ from planner.passes.step import (
     split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Storage, Tracker, is_tensor, to_fake
+from planner.passes.trace import OpRecord, Storage, Tracker, fake_state, is_tensor, to_fake
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.cuts import forbidden_cuts
 from planner.solvers.rates import DeviceProfile
@@ -307,9 +306,7 @@ def eager_graph(
     """
     args, kwargs = split_input(example_input)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    params = model.named_parameters(remove_duplicate=False)
-    state = {k: to_fake(mode, v) for k, v in params}
-    state.update({k: to_fake(mode, v) for k, v in model.named_buffers(remove_duplicate=False)})
+    state = fake_state(mode, model)
     fake_args = [to_fake(mode, a) for a in args]
     fake_kwargs = {k: to_fake(mode, v) for k, v in kwargs.items()}
     fake_batch = join_input(example_input, tuple(fake_args), fake_kwargs)
@@ -348,14 +345,8 @@ def eager_graph(
         for t in floating_leaves(out):
             if (rec := tracker.lookup(t)) is not None:
                 rec.is_output = True
-        if (loss_rec := tracker.lookup(loss)) is not None and loss_rec.node >= 0:
-            loss_rec.held_to_end = True  # the caller holds the loss through backward
         del out
-        tracker.phase = "bwd"
-        tracker.segments.enter(len(tracker.records) - 1)
-        with amp_backward():
-            loss.backward()
-        tracker.segments.close()
+        tracker.backward(loss, len(tracker.records) - 1)
         del loss
     tracker.resolve_saves()
     buffer_of = {
@@ -367,9 +358,7 @@ def eager_graph(
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
 
-    seq_lens = {d for x in tree_leaves((args, kwargs)) if is_tensor(x) for d in x.shape[1:]}
-    graph = cost_graph(tracker, {d for d in seq_lens if d > 1}, rates, "fake tensors, eager")
-    graph = replace(graph, **device_fields(device, rates))
+    graph = cost_graph(tracker, (args, kwargs), rates, device, "fake tensors, eager")
     graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time, timer)

@@ -21,7 +21,6 @@ Sizes are those of the device and dtypes the step really runs with: CPU, CUDA or
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +30,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_leaves
 
-from planner.passes.costing import cost_graph, device_fields, with_measured_times
+from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.nodes import module_path
 from planner.passes.op_timing import Timer
 from planner.passes.step import (
     StepTime,
-    amp_backward,
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
@@ -45,7 +43,7 @@ from planner.passes.step import (
     split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Segment, Tracker, is_tensor, to_fake
+from planner.passes.trace import OpRecord, Segment, Tracker, fake_state, is_tensor, to_fake
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.rates import DeviceProfile
 
@@ -196,8 +194,7 @@ def estimate(
     last = len(nodes) - 1
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = {k: to_fake(mode, v) for k, v in gm.named_parameters(remove_duplicate=False)}
-    state.update({k: to_fake(mode, v) for k, v in gm.named_buffers(remove_duplicate=False)})
+    state = fake_state(mode, gm)
     flat = [to_fake(mode, x) for x in _flatten_inputs(gm, args, kwargs)]
     if batch is None:
         batch = dict(kwargs) if kwargs else tuple(args)
@@ -265,20 +262,13 @@ def estimate(
             with loss_on_fake_tensors():
                 loss = training_loss(out, loss_fn, fake_batch, warn=True)
         loss_seg.peak_above_start_bytes = tracker.peak_bytes - loss_seg.start_bytes
-        if (loss_rec := tracker.lookup(loss)) is not None and loss_rec.node >= 0:
-            loss_rec.held_to_end = True  # the caller holds the loss through backward
         tracker.claim([loss], last)
         del out
         tracker.release_casts(last)
         forward.close()
-        tracker.phase = "bwd"
-        tracker.segments.enter(last)
-        with amp_backward():
-            loss.backward()
-        tracker.segments.close()
+        tracker.backward(loss, last)
         del loss
 
-    seq_lens = {d for x in flat if is_tensor(x) for d in tuple(x.shape)[1:] if d > 1}
     if not isinstance(rates, DeviceProfile):
         flops_per_s, bytes_per_s = rates
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
@@ -288,8 +278,8 @@ def estimate(
     seg = tracker.records[last].fwd
     loss_above = loss_seg.start_bytes - seg.start_bytes + loss_seg.peak_above_start_bytes
     seg.peak_above_start_bytes = max(seg.peak_above_start_bytes, loss_above)
-    graph = cost_graph(tracker, seq_lens, rates, "fake tensors", "math" if sdpa_backend else None)
-    graph = dataclasses.replace(graph, **device_fields(device, rates))
+    backend = "math" if sdpa_backend else None
+    graph = cost_graph(tracker, flat, rates, device, "fake tensors", backend)
     if not time_ops:
         return graph
     return with_measured_times(graph, tracker, device, rates, step_time, timer)

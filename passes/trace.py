@@ -28,7 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.passes.nodes import written_arguments
 from planner.passes.op_timing import OpCall, op_call
-from planner.passes.step import autocast_dtypes
+from planner.passes.step import amp_backward, autocast_dtypes
 
 _SDPA_BACKENDS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash",
@@ -281,6 +281,17 @@ class Tracker(TorchDispatchMode):
             g.register_prehook(functools.partial(_enter_backward, self.segments, i))
             stack.extend(f for f, _ in g.next_functions if f is not None)
 
+    def backward(self, loss: torch.Tensor, last: int) -> None:
+        """Run the step's backward from ``loss``, attributed to forward nodes from ``last`` down
+        (``loss``' own autograd nodes belong to ``last``)."""
+        if (rec := self.lookup(loss)) is not None and rec.node >= 0:
+            rec.held_to_end = True  # the caller holds the loss through backward
+        self.phase = "bwd"
+        self.segments.enter(last)
+        with amp_backward():
+            loss.backward()
+        self.segments.close()
+
     def note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
         """Autograd saved ``rec`` for node ``owner``'s backward. ``allocated``: the storages
         ``owner``'s forward had allocated by then (None: not during its forward)."""
@@ -327,6 +338,14 @@ def to_fake(mode: FakeTensorMode, x: Any) -> Any:
     if is_tensor(x):
         return mode.from_tensor(x, static_shapes=True)
     return x
+
+
+def fake_state(mode: FakeTensorMode, module: torch.nn.Module) -> dict[str, Any]:
+    """Fake copies of ``module``'s parameters and buffers, by name (tied ones under each name),
+    to run it on with ``torch.nn.utils.stateless._reparametrize_module``."""
+    state = {k: to_fake(mode, v) for k, v in module.named_parameters(remove_duplicate=False)}
+    state.update({k: to_fake(mode, v) for k, v in module.named_buffers(remove_duplicate=False)})
+    return state
 
 
 class BackwardSegments:
