@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.models import gpt_ref_example
 from planner.comparison import compare
+from planner.devices import profile_of_model
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.solvers.costgraph import Schedule
@@ -87,7 +88,9 @@ def main() -> None:
 
     model, example = gpt_ref_example()
     captured = capture(model, example)
-    graph = estimate(captured.module, captured.args, captured.kwargs)
+    graph = estimate(
+        captured.module, captured.args, captured.kwargs, rates=profile_of_model(captured.module)
+    )
     eager = simulate(graph, Schedule()).peak_bytes
     every_block = simulate(graph, get_solver("uniform")(graph, eager))
     least, _ = least_memory_schedule(graph)

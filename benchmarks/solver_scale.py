@@ -20,6 +20,7 @@ import os
 import random
 import time
 
+from planner.devices import profile_of_model
 from planner.solvers.costgraph import Schedule
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import simulate
@@ -60,7 +61,9 @@ def llama() -> str:
     model, example = llama_example(LlamaConfig())
     start = time.perf_counter()
     captured = capture(model, example)
-    graph = estimate(captured.module, captured.args, captured.kwargs)
+    graph = estimate(
+        captured.module, captured.args, captured.kwargs, rates=profile_of_model(captured.module)
+    )
     prep_s = time.perf_counter() - start
     return f"(capture + estimate {prep_s:.1f} s) " + _dp_line("Llama-7B shape", graph, 24e9)
 

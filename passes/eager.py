@@ -9,13 +9,13 @@ are the aten operations of one forward + loss step in dispatch order, named
 since this is the model's own code, not an export of it -- and ``region_spans``: the node
 interval of each submodule call that may become a region applied in place.
 
-How: the step runs ONCE under ``FakeTensorMode`` with ``estimate._Tracker`` beneath a dispatch
-mode that opens a node per aten op. Storages, frees, FLOPs, bytes moved and in-place writes are
-the tracker's. Saves for backward: ``saved_tensors_hooks`` see each save, but autograd saves an
-op's inputs before the op reaches dispatch, so a save is attributed to the node whose backward
-unpacks it (or, never unpacked, the op that ran last). Backward: an op's grad_fn is attached
-after it returns from dispatch, so the previous ops' outputs (held by weakref only) are claimed
-as the next op starts, and their grad_fns get pre-hooks as in ``estimate``.
+How: the step runs ONCE under ``FakeTensorMode`` with the tracker of ``passes/trace.py``, which
+here opens one record per aten op; ``passes/costing.py`` turns the records into the CostGraph,
+as for ``estimate``. Saves for backward: ``saved_tensors_hooks`` see each save, but autograd
+saves an op's inputs before the op reaches dispatch, so a save is attributed to the node whose
+backward unpacks it (or, never unpacked, the op that ran last). Backward: an op's grad_fn is
+attached after it returns from dispatch, so the previous ops' outputs (held by weakref only) are
+claimed as the next op starts (``Tracker.claim``).
 
 Module calls: every submodule's ``forward`` is wrapped during the run (an instance attribute,
 removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what
@@ -29,8 +29,6 @@ region's recomputation runs on copies of, so they are updated once per step.
 
 from __future__ import annotations
 
-import functools
-import types
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -43,25 +41,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from planner.devices import DeviceProfile, profile_of
-from planner.passes.estimate import (
-    SKIP_GAP_NODES,
-    BackwardSegments,
-    _Segment,
-    _state_saved_bytes,
-    _to_fake,
-    _Tracker,
-    device_fields,
-    node_tags,
-    roofline_graph,
-    storage_records,
-    with_measured_times,
-)
+from planner.passes.costing import cost_graph, with_measured_times
+from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.op_timing import Timer
 from planner.passes.step import (
     LossFn,
     StepTime,
-    amp_backward,
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
@@ -73,10 +58,11 @@ from planner.passes.step import (
     split_input,
     training_loss,
 )
-from planner.solvers.costgraph import CostGraph, Node
+from planner.passes.trace import OpRecord, Storage, Tracker, fake_state, is_tensor, to_fake
+from planner.solvers.costgraph import CostGraph
 from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.rates import DeviceProfile
 
-_SQUARE_OPS = ("mm", "bmm", "baddbmm", "matmul", "einsum")
 # Ops selective checkpointing lets through without asking its policy (nor counting them).
 UNCOUNTED_OPS = frozenset(str(op) for op in SAC_IGNORED_OPS)
 
@@ -114,33 +100,23 @@ class EagerGraph:
 
 @dataclass(eq=False)
 class _Save:
-    storage: Any  # estimate._Storage or None (a storage the tracker never saw)
+    storage: Storage | None  # None: a storage the tracker never saw
     node: int  # the op that ran last when autograd saved it
     allocated: int  # storages that op had allocated by then
     owner: int | None = None  # the node whose backward unpacked it
 
 
-class _OpTracker(_Tracker):
-    """The estimate tracker, plus one node per aten op of the forward and loss."""
+class _OpTracker(Tracker):
+    """The tracker, opening one record per aten op of the forward and loss."""
 
     def __init__(self, record_calls: bool = False) -> None:
         super().__init__(record_calls)
         self.recording = False
         self.internal = 0  # our own ops (detaching saves): not the model's
-        self.names: list[str] = []
-        self.ops: list[str] = []
-        self.paths: list[str] = []
-        self.reads: list[set[int]] = []
-        self.fwd: list[_Segment] = []
-        self.shapes: list[list[tuple[int, ...]]] = []
-        self.views: set[int] = set()
         self.path_stack: list[str] = []
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         self.pending: list[tuple[int, list[weakref.ref]]] = []
-        self.grad_fn_node: dict[Any, int] = {}
         self.saves: list[_Save] = []
-        self.segments = BackwardSegments(self)
-        self.died_at: dict[int, int] = {}  # id(storage record) -> op running when it died
         self.failed_in: str | None = None  # the innermost module a failing forward ran
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
@@ -148,7 +124,7 @@ class _OpTracker(_Tracker):
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
-            self.died_at[id(rec)] = self.node
+            self.died_at[id(rec)] = self.node  # Python, not the last reader, freed it
         super()._free(key, rec)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -157,57 +133,27 @@ class _OpTracker(_Tracker):
         if func in SAC_IGNORED_OPS:  # metadata queries and detach: no op of the model's
             return func(*args, **(kwargs or {}))
         self.claim_pending()
-        i = len(self.names)
+        i = len(self.records)
         path = self.path_stack[-1] if self.path_stack else None
         prefix = ("model" if path == "" else path) if path is not None else "step"
         short = func._overloadpacket.__name__
-        self.names.append(f"{prefix}:{short}:{self.counts[(prefix, short)]}")
+        name = f"{prefix}:{short}:{self.counts[(prefix, short)]}"
         self.counts[(prefix, short)] += 1
-        self.ops.append(str(func))
-        self.paths.append(path or "")
-        self.node = i
-        read, reads = set(), set()
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and (rec := self.lookup(t)) is not None:
-                read.add(id(rec))
-                if rec.node >= 0:
-                    rec.users.add(i)
-                    reads.add(rec.node)
-        self.reads.append(reads - {i})
-        seg = _Segment(start_bytes=self.live_bytes)
-        self.peak_bytes = self.live_bytes
+        record = OpRecord(name=name, op=str(func), module_path=path or "", inputs=set())
+        self.records.append(record)
+        read, producers, seg = self.enter_node(i, (args, kwargs))
+        record.inputs = producers - {i}
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        seg.peak_above_start_bytes = self.peak_bytes - seg.start_bytes
-        self.fwd.append(seg)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.shapes.append([tuple(t.shape) for t in outs])
-        if outs and all(id(self.lookup(t)) in read for t in outs):
-            self.views.add(i)
+        outs = self.exit_node(record, read, seg, out)
+        # autograd attaches the grad_fn after dispatch returns: claimed as the next op starts
         self.pending.append((i, [weakref.ref(t) for t in outs]))
         return out
 
     def claim_pending(self) -> None:
         """Map the grad_fns autograd attached to earlier ops' outputs to those ops."""
         for i, refs in self.pending:
-            for ref in refs:
-                t = ref()
-                if t is None:
-                    continue
-                if (rec := self.lookup(t)) is not None:
-                    rec.requires_grad |= t.requires_grad and t.is_floating_point()
-                if t.grad_fn is not None:
-                    self.claim(t.grad_fn, i)
+            self.claim([t for ref in refs if (t := ref()) is not None], i)
         self.pending.clear()
-
-    def claim(self, grad_fn: Any, i: int) -> None:
-        stack = [grad_fn]
-        while stack:
-            g = stack.pop()
-            if g in self.grad_fn_node or type(g).__name__ == "AccumulateGrad":
-                continue
-            self.grad_fn_node[g] = i
-            g.register_prehook(functools.partial(_enter_backward, self.segments, i))
-            stack.extend(f for f, _ in g.next_functions if f is not None)
 
     def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
         node = self.node
@@ -232,45 +178,8 @@ class _OpTracker(_Tracker):
             owner = s.node if s.owner is None else s.owner
             if owner < 0:
                 continue
-            if s.storage is not None and s.storage.node >= 0:
-                s.storage.saved_by.add(owner)
-            elif s.storage is not None and s.storage.phase == "ext":
-                self.state_saved[owner].add(id(s.storage))
             # Inputs are saved before the op allocates anything, outputs after.
-            at = s.allocated if owner == s.node else 0
-            self.allocated_at_last_save[owner] = max(self.allocated_at_last_save.get(owner, 0), at)
-
-
-def _enter_backward(segments: BackwardSegments, i: int, grad_outputs: Any) -> None:
-    segments.enter(i)
-
-
-class ForwardWrapper:
-    """Stands in for one module's ``forward``: installed as ``MethodType(self, module)``, an
-    instance attribute, so the class, ``state_dict()`` keys, parameters and hooks are untouched,
-    ``inspect.signature(module.forward)`` is the original's (``__wrapped__``), and
-    ``copy.deepcopy`` rebinds it to the copy. Subclasses define ``__call__(module, ...)``."""
-
-    original: Callable[..., Any]
-    had_own: bool  # the module already had an instance-level forward (another wrapper's)
-
-    def install(self, module: torch.nn.Module) -> None:
-        own = module.__dict__.get("forward")
-        self.had_own = own is not None
-        self.original = own if own is not None else type(module).forward
-        functools.update_wrapper(self, self.original)
-        module.forward = types.MethodType(self, module)
-
-    def run_original(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self.had_own:
-            return self.original(*args, **kwargs)
-        return self.original(module, *args, **kwargs)
-
-    def uninstall(self, module: torch.nn.Module) -> None:
-        if self.had_own:
-            module.forward = self.original
-        else:
-            del module.forward
+            self.note_save(s.storage, owner, s.allocated if owner == s.node else 0)
 
 
 class _CallRecorder(ForwardWrapper):
@@ -279,13 +188,13 @@ class _CallRecorder(ForwardWrapper):
 
     def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         tracker = self.tracker
-        start, grad = len(tracker.names), torch.is_grad_enabled()
+        start, grad = len(tracker.records), torch.is_grad_enabled()
         passed = [
             rec
             for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and (rec := tracker.lookup(t)) is not None
         ]
-        ids = [id(t) for t in tree_leaves((args, kwargs)) if _is_tensor(t)]
+        ids = [id(t) for t in tree_leaves((args, kwargs)) if is_tensor(t)]
         if len(ids) != len(set(ids)):
             tracker.aliased_args.add(self.path)
         tracker.path_stack.append(self.path)
@@ -297,8 +206,8 @@ class _CallRecorder(ForwardWrapper):
             raise
         finally:
             tracker.path_stack.pop()
-            self.calls[self.path].append((start, len(tracker.names), grad))
-            tracker.call_args.append((start, len(tracker.names), passed))
+            self.calls[self.path].append((start, len(tracker.records), grad))
+            tracker.call_args.append((start, len(tracker.records), passed))
 
 
 @contextmanager
@@ -345,8 +254,8 @@ def _mask_decisions_as_eager(kwargs: dict[str, Any]) -> Iterator[None]:
         yield
         return
     positions = kwargs.get("position_ids")
-    packed = _is_tensor(positions) and mu.find_packed_sequence_indices(positions) is not None
-    masks = [v for k, v in kwargs.items() if "mask" in k and _is_tensor(v)]
+    packed = is_tensor(positions) and mu.find_packed_sequence_indices(positions) is not None
+    masks = [v for k, v in kwargs.items() if "mask" in k and is_tensor(v)]
     unmasked = bool(masks) and all(bool(m.all()) for m in masks)
     optional = ("_ignore_bidirectional_mask_sdpa",)
     originals = {n: getattr(mu, n) for n in (*names, *optional) if hasattr(mu, n)}
@@ -382,25 +291,24 @@ def eager_graph(
     example_input: Any,
     loss_fn: LossFn | None = None,
     *,
-    rates: DeviceProfile | None = None,
+    rates: DeviceProfile,
     time_ops: bool = False,
     step_time: StepTime | None = None,
     timer: Timer | None = None,
 ) -> EagerGraph:
     """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring).
 
-    ``rates``: the device to price time for (None: the model's own, ``devices.profile_of``);
+    ``rates``: the device to price time for (the planner passes the model's own device's,
+    ``planner.devices.profile_of_model``);
     ``time_ops``, ``step_time`` and ``timer`` as for ``passes.estimate.estimate``: time the
     step's aten calls on the model's real device (from ``timer``, a device's calibration),
     fitted to its measured step if given.
     """
     args, kwargs = split_input(example_input)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    params = model.named_parameters(remove_duplicate=False)
-    state = {k: _to_fake(mode, v) for k, v in params}
-    state.update({k: _to_fake(mode, v) for k, v in model.named_buffers(remove_duplicate=False)})
-    fake_args = [_to_fake(mode, a) for a in args]
-    fake_kwargs = {k: _to_fake(mode, v) for k, v in kwargs.items()}
+    state = fake_state(mode, model)
+    fake_args = [to_fake(mode, a) for a in args]
+    fake_kwargs = {k: to_fake(mode, v) for k, v in kwargs.items()}
     fake_batch = join_input(example_input, tuple(fake_args), fake_kwargs)
     call_args, call_kwargs = model_input(model, fake_batch, loss_fn)
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
@@ -425,26 +333,20 @@ def eager_graph(
                     out = model(*call_args, **call_kwargs)
                     with loss_on_fake_tensors():
                         loss = training_loss(out, loss_fn, fake_batch, warn=True)
-                    tracker.release_casts(len(tracker.names) - 1)
+                    tracker.release_casts(len(tracker.records) - 1)
             except data_dependent_errors() as e:
                 where = tracker.failed_in
                 kind = None if where is None else type(model.get_submodule(where)).__name__
                 raise data_dependent_error(where, kind, e) from e
         tracker.claim_pending()
         tracker.recording = False
-        if not tracker.names:
+        if not tracker.records:
             raise ValueError(f"{type(model).__name__}'s forward ran no tensor operation")
         for t in floating_leaves(out):
             if (rec := tracker.lookup(t)) is not None:
                 rec.is_output = True
-        if (loss_rec := tracker.lookup(loss)) is not None and loss_rec.node >= 0:
-            loss_rec.held_to_end = True  # the caller holds the loss through backward
         del out
-        tracker.phase = "bwd"
-        tracker.segments.enter(len(tracker.names) - 1)
-        with amp_backward():
-            loss.backward()
-        tracker.segments.close()
+        tracker.backward(loss, len(tracker.records) - 1)
         del loss
     tracker.resolve_saves()
     buffer_of = {
@@ -456,10 +358,7 @@ def eager_graph(
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
 
-    seq_lens = {d for x in tree_leaves((args, kwargs)) if _is_tensor(x) for d in x.shape[1:]}
-    rates = rates or profile_of(device)
-    graph = _build(tracker, {d for d in seq_lens if d > 1}, rates)
-    graph = replace(graph, **device_fields(device, rates))
+    graph = cost_graph(tracker, (args, kwargs), rates, device, "fake tensors, eager")
     graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
         graph = with_measured_times(graph, tracker, device, rates, step_time, timer)
@@ -481,81 +380,6 @@ def _read_by_calls(tracker: _OpTracker) -> None:
                 continue
             if not any(start <= u < stop for u in (*rec.users, *rec.saved_by)):
                 rec.users.add(start)
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def _build(tracker: _OpTracker, seq_lens: set[int], rates: DeviceProfile) -> CostGraph:
-    n = len(tracker.names)
-    tensors, produced_bytes, param_grad, grad_alloc, buffers = storage_records(
-        tracker, tracker.names, tracker.died_at
-    )
-    attention = _attention(tracker, seq_lens)
-    skips = _skips(tracker)
-    nodes = []
-    bwd = tracker.segments.by_node
-    for i in range(n):
-        op = tracker.ops[i]
-        packet = op.split(".")[1] if op.count(".") >= 2 else op
-        tags = node_tags(i, packet, "", attention, skips, tracker)
-        if i in tracker.views and produced_bytes[i] == 0:
-            tags.add("view")
-        bseg = bwd.get(i, _Segment())
-        nodes.append(
-            Node(
-                name=tracker.names[i],
-                op=op,
-                inputs=tuple(sorted(tracker.reads[i])),
-                module_path=tracker.paths[i],
-                fwd_flops=tracker.flops.get(("fwd", i), 0),
-                bwd_flops=tracker.flops.get(("bwd", i), 0),
-                fwd_bytes_accessed=tracker.moved_bytes.get(("fwd", i), 0),
-                bwd_bytes_accessed=tracker.moved_bytes.get(("bwd", i), 0),
-                fwd_temp_bytes=max(0, tracker.fwd[i].peak_above_start_bytes - produced_bytes[i]),
-                bwd_temp_bytes=bseg.peak_above_start_bytes - grad_alloc[i] - param_grad[i],
-                param_grad_bytes=param_grad[i],
-                tags=frozenset(tags),
-                state_bytes=sum(tracker.state_written.get(i, {}).values()),
-                state_saved_bytes=_state_saved_bytes(tracker, i),
-                saves_for_backward=i in tracker.allocated_at_last_save,
-            )
-        )
-    backends = ",".join(sorted(tracker.sdpa_backends)) or None
-    return roofline_graph(nodes, tensors, buffers, rates, "fake tensors, eager", backends)
-
-
-def _attention(tracker: _OpTracker, seq_lens: set[int]) -> set[int]:
-    """Ops whose outputs grow with the square of the sequence length (as estimate's rule):
-    fused attention, an (S, S)-ended matmul, and (S, S)-ended ops computed from those."""
-    found: set[int] = set()
-    for i, op in enumerate(tracker.ops):
-        if "scaled_dot_product" in op or "attention" in op:
-            found.add(i)
-            continue
-        square = any(
-            len(s) >= 2 and s[-1] == s[-2] and s[-1] in seq_lens for s in tracker.shapes[i]
-        )
-        if square and (op.split(".")[1] in _SQUARE_OPS or tracker.reads[i] & found):
-            found.add(i)
-    return found
-
-
-def _skips(tracker: _OpTracker) -> set[int]:
-    """Producers of values read by two consumers far apart (residual streams)."""
-    users: dict[int, list[int]] = defaultdict(list)
-    for i, reads in enumerate(tracker.reads):
-        for r in reads:
-            users[r].append(i)
-    prefix = [0]
-    for i in range(len(tracker.names)):
-        prefix.append(prefix[-1] + (i not in tracker.views))
-    return {
-        i
-        for i, us in users.items()
-        if len(us) >= 2 and prefix[max(us)] - prefix[min(us) + 1] >= SKIP_GAP_NODES
-    }
 
 
 def _candidates(

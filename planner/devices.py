@@ -8,54 +8,21 @@ PCIe bytes/s one way) derated to what eager PyTorch kernels typically reach; the
 profile is measured on this machine by a short microbenchmark (a matmul and a large add), once,
 and cached on disk.
 
-This is the one table of device rates: ``passes/estimate.py`` asks :func:`device_rates` when it
-prices a model on its own device.
+This is the one table of device rates: the planner passes ``passes/`` the profile it prices
+with (:func:`profile_of` for the model's own device). The type itself lives in
+``planner/solvers/rates.py`` (torch-free, so ``passes/`` takes it without importing the planner).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import time
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Rates of one device for the roofline: time = max(FLOPs / flops_per_s, bytes / bytes_per_s).
-
-    ``host_bytes_per_s`` prices offloading (device -> host and back). ``host_link``: host memory
-    is not the device's, so offloading frees device memory (False on a CPU, where solvers then
-    never offload). ``offload_overlap``: the share of an offload region's own compute its
-    transfers hide behind (simulate's Rule 7).
-    """
-
-    name: str
-    flops_per_s: float
-    bytes_per_s: float
-    host_bytes_per_s: float
-    host_link: bool = True
-    offload_overlap: float = 0.0
-
-    def __post_init__(self) -> None:
-        for field_name in ("flops_per_s", "bytes_per_s", "host_bytes_per_s"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not (
-                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-            ):
-                raise ValueError(
-                    f"DeviceProfile.{field_name} must be a positive finite rate, got {value!r}"
-                )
-        if not 0.0 <= self.offload_overlap <= 1.0:
-            raise ValueError(
-                f"DeviceProfile.offload_overlap is a share of compute in [0, 1], got "
-                f"{self.offload_overlap!r}"
-            )
-
+from planner.solvers.rates import DeviceProfile
 
 # Datasheet peaks: (dense bf16 FLOP/s, HBM bytes/s, host link bytes/s one way). Keys are matched
 # against torch.cuda.get_device_name() as well, so the order puts the specific names first.
@@ -136,6 +103,13 @@ def profile_of(device: torch.device) -> DeviceProfile:
         return device_profile("cpu")
     flops_per_s, bytes_per_s = device_rates(device)
     return DeviceProfile(device.type, flops_per_s, bytes_per_s, bytes_per_s, host_link=False)
+
+
+def profile_of_model(model: torch.nn.Module) -> DeviceProfile:
+    """The profile of the device ``model`` lives on: its first parameter's or buffer's (the CPU
+    when it has neither), what ``passes/`` prices a model's own device with."""
+    tensors = (*model.parameters(), *model.buffers())
+    return profile_of(tensors[0].device if tensors else torch.device("cpu"))
 
 
 def _gpu_profile(cuda_name: str) -> DeviceProfile | None:

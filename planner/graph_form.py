@@ -18,7 +18,7 @@ import torch
 
 from planner import hf_checkpointing
 from planner.calibration import Calibration
-from planner.devices import DeviceProfile, device_profile
+from planner.devices import DeviceProfile, device_profile, profile_of_model
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
@@ -116,7 +116,7 @@ def price(
         captured.args,
         captured.kwargs,
         loss_fn=loss_fn,
-        rates=profile,
+        rates=profile or profile_of_model(model),
         time_ops=timer is not None,
         timer=timer,
         batch=example_input,

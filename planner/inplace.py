@@ -7,7 +7,7 @@ the form's part of the plan file are ``planner/inplace_form.py``'s, the Plan and
 
 A region is one submodule (every call of it; the planner only offers modules called once per
 step). Applying a plan replaces each region module's ``forward`` by an instance attribute
-(``passes/eager.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
+(``passes/forward_wrapper.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
 module.training``, runs the original forward under non-reentrant
 ``torch.utils.checkpoint.checkpoint`` (RNG state preserved), and otherwise calls it plainly:
 ``model.eval()`` and ``torch.no_grad()`` run the model as it was. Nested regions nest
@@ -60,7 +60,7 @@ from torch.utils.checkpoint import (
 from planner import hf_checkpointing
 from planner.guard import remove_guard
 from planner.offload import offloaded_call
-from planner.passes.eager import ForwardWrapper
+from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.rewrite import _outside_selective_checkpointing
 from planner.plans import Plan, Region
 from planner.solvers.errors import PlanFileError

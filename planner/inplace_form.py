@@ -25,7 +25,7 @@ from planner.calibration import (
     pricing_key,
     reuse_priced,
 )
-from planner.devices import DeviceProfile
+from planner.devices import DeviceProfile, profile_of_model
 from planner.fsdp import FSDPConfig, per_rank
 from planner.guard import PlannedShape, install_guard, planned_shape
 from planner.inplace import apply_regions, check_fits, module_tree, parameter_shapes
@@ -202,7 +202,7 @@ def price_inplace(
                 model,
                 example_input,
                 loss_fn,
-                rates=device,
+                rates=device or profile_of_model(model),
                 time_ops=timer is not None,
                 timer=timer,
             )

@@ -14,27 +14,9 @@ from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Node, Region, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
 from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.op_classes import FUSED_ATTENTION, MATMUL, WEIGHT_MATMUL
 from planner.solvers.registry import SolverOptions, register
 from planner.solvers.simulate import simulate
-
-# Ops whose outputs are worth keeping: weight matmuls and convolutions (op names are
-# "aten.<name>.<overload>"; the estimator may also add tags).
-_WEIGHT_OPS = ("linear", "addmm", "mm", "convolution", "conv1d", "conv2d", "conv3d", "_conv")
-_PAIR_OPS = (
-    "matmul",
-    "bmm",
-    "baddbmm",
-    "einsum",
-    "scaled_dot_product",
-    "flash_attention",
-    "efficient_attention",
-)
-_CHEAP_TAGS = frozenset({"attention", "random", "view", "inplace", "batchnorm"})
-
-
-def _op_name(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
 
 
 def out_bytes(graph: CostGraph) -> list[int]:
@@ -45,21 +27,20 @@ def out_bytes(graph: CostGraph) -> list[int]:
 
 
 def is_matmul(graph: CostGraph, i: int) -> bool:
-    """A matmul, convolution or fused attention, whatever its output's size."""
-    name = _op_name(graph.nodes[i].op)
-    return name in _WEIGHT_OPS or "conv" in name or any(p in name for p in _PAIR_OPS)
+    """A matmul, convolution or fused attention, whatever its output's size (its tags, from
+    ``solvers/op_classes.py``)."""
+    return MATMUL in graph.nodes[i].tags
 
 
 def worth_keeping(graph: CostGraph, i: int, produced: list[int]) -> bool:
     """A weight matmul or convolution, or an activation matmul that does not blow up the size
     (attention's q @ k^T is S x S: recomputed; att @ v is not: kept)."""
     node: Node = graph.nodes[i]
-    name = _op_name(node.op)
-    if "attention" in node.tags and not any(p in name for p in _PAIR_OPS[4:]):
+    if "attention" in node.tags and FUSED_ATTENTION not in node.tags:
         return False
-    if name in _WEIGHT_OPS or name.startswith("_conv") or "conv" in name:
+    if WEIGHT_MATMUL in node.tags:
         return True
-    if any(p in name for p in _PAIR_OPS):
+    if MATMUL in node.tags:
         read = sum(produced[j] for j in node.inputs)
         return produced[i] <= max(read, 1)
     return False

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.models import GPTConfig
-from planner.devices import PROFILES, device_rates, profile_of
+from planner.devices import PROFILES, device_rates, profile_of, profile_of_model
 from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
@@ -49,7 +49,7 @@ def test_host_overheads_are_zero_on_cuda():
 def test_identical_blocks_get_identical_measured_times_on_the_device():
     model, example = gpt(CUDA)
     c = capture(model, example)
-    graph = estimate(c.module, c.args, c.kwargs, time_ops=True)
+    graph = estimate(c.module, c.args, c.kwargs, time_ops=True, rates=profile_of_model(c.module))
     assert all(n.fwd_time_s is not None and n.fwd_time_s >= 0 for n in graph.nodes)
 
     def block(k: int) -> list[tuple]:

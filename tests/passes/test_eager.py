@@ -12,6 +12,7 @@ from torch import nn
 
 import planner
 from benchmarks.models import GPTConfig, gpt_example
+from planner.devices import profile_of_model
 from planner.passes.eager import eager_graph
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
@@ -20,7 +21,7 @@ SMALL = GPTConfig(n_layer=2, d_model=64, n_head=2, seq_len=128, vocab_size=128)
 
 
 def _baseline_matches_measurement(model, example) -> None:
-    eg = eager_graph(model, example)
+    eg = eager_graph(model, example, rates=profile_of_model(model))
     predicted = simulate(eg.graph, Schedule()).peak_bytes
     measured = planner.measure(model, example).peak_bytes
     assert predicted == pytest.approx(measured, rel=0.01), (predicted, measured)
@@ -28,7 +29,7 @@ def _baseline_matches_measurement(model, example) -> None:
 
 def test_gpt_nodes_spans_and_prediction():
     model, example = gpt_example(SMALL, batch=4)
-    eg = eager_graph(model, example)
+    eg = eager_graph(model, example, rates=profile_of_model(model))
     g = eg.graph
     by_name = {n.name: n for n in g.nodes}
     qkv = by_name["blocks.0.attn.qkv:addmm:0"]
@@ -66,7 +67,7 @@ class _Twice(nn.Module):
 def test_modules_called_twice_or_without_grad_are_not_candidates():
     model = _Twice()
     x = torch.randn(4, 8)
-    eg = eager_graph(model, x)
+    eg = eager_graph(model, x, rates=profile_of_model(model))
     assert eg.refused["shared"] == "called 2 times per step"
     assert eg.refused["rope"] == "runs under torch.no_grad()"
     assert {"tail", "tail.0", "tail.1"} <= set(eg.spans.values())

@@ -4,6 +4,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from benchmarks.models import gpt_ref_small_example, residual_cnn_example, unet_example
+from planner.devices import profile_of_model
 from planner.measurement import measure
 from planner.passes.capture import capture
 from planner.passes.estimate import compute_nodes, estimate
@@ -16,7 +17,9 @@ F32 = 4
 
 def _estimate(model, example):
     captured = capture(model, example)
-    return captured, estimate(captured.module, captured.args, captured.kwargs)
+    return captured, estimate(
+        captured.module, captured.args, captured.kwargs, rates=profile_of_model(captured.module)
+    )
 
 
 def test_linear_relu_chain_bytes_exact():
@@ -188,9 +191,12 @@ def test_checkpointed_residual_stage_matches_measurement(regions, norm):
 def test_autocast_sizes_follow_real_dtypes():
     model, x = gpt_ref_small_example()
     captured = capture(model, x)
-    fp32 = simulate(estimate(captured.module, captured.args), Schedule()).peak_bytes
+    fp32 = simulate(
+        estimate(captured.module, captured.args, rates=profile_of_model(captured.module)),
+        Schedule(),
+    ).peak_bytes
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        graph = estimate(captured.module, captured.args)
+        graph = estimate(captured.module, captured.args, rates=profile_of_model(captured.module))
         # warmup=0: warmup steps inside one autocast context would fill its weight-cast cache,
         # and the measured step would then not count the bf16 weight copies a real step makes.
         measured = measure(model, x, warmup=0).peak_bytes

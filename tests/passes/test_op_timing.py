@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from benchmarks.models import gpt_ref_small_example
+from planner.devices import profile_of_model
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.op_timing import call_overhead_s, checkpoint_overhead, op_call, time_calls
@@ -15,7 +16,7 @@ from planner.passes.step import StepTime
 def test_identical_blocks_get_identical_measured_times():
     model, example = gpt_ref_small_example()
     c = capture(model, example)
-    graph = estimate(c.module, c.args, c.kwargs, time_ops=True)
+    graph = estimate(c.module, c.args, c.kwargs, time_ops=True, rates=profile_of_model(c.module))
     assert graph.meta["timing"].startswith("ops timed alone + ")
     assert all(n.fwd_time_s is not None and n.bwd_time_s is not None for n in graph.nodes)
     assert all(n.fwd_time_s >= 0 and n.bwd_time_s >= 0 for n in graph.nodes)
@@ -27,7 +28,7 @@ def test_identical_blocks_get_identical_measured_times():
 
     # Same ops on the same shapes: timed once, one price for both blocks.
     assert block(0) and block(0) == block(1)
-    roofline = estimate(c.module, c.args, c.kwargs)
+    roofline = estimate(c.module, c.args, c.kwargs, rates=profile_of_model(c.module))
     assert roofline.meta["timing"] == "roofline"
     assert all(n.fwd_time_s is None for n in roofline.nodes)
 
@@ -55,11 +56,17 @@ def test_select_backward_is_timed_once_whatever_its_position():
     assert set(times) == {calls[0].key, other.key}
 
 
+def _timed(c, step_time: StepTime):
+    """``c`` priced by its ops timed on the CPU, fitted to ``step_time``."""
+    rates = profile_of_model(c.module)
+    return estimate(c.module, c.args, c.kwargs, rates=rates, time_ops=True, step_time=step_time)
+
+
 def test_node_times_are_fitted_to_the_measured_step():
     model, example = gpt_ref_small_example()
     c = capture(model, example)
     # A slow step: the difference is spread over the calls, so every node gets slower.
-    slow = estimate(c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1.0, 2.0))
+    slow = _timed(c, StepTime(1.0, 2.0))
     assert sum(n.fwd_time_s for n in slow.nodes) == pytest.approx(1.0)
     assert sum(n.bwd_time_s for n in slow.nodes) == pytest.approx(2.0)
     assert "per call" in slow.meta["timing"]
@@ -67,27 +74,19 @@ def test_node_times_are_fitted_to_the_measured_step():
     # Checkpointed whole, the step took 0.5 s longer than its overhead: recomputing the 1 s
     # forward costs half of it.
     overhead_s = slow.checkpoint_overhead_s(0, len(slow.nodes))
-    halved = estimate(
-        c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1.0, 2.0, 3.5 + overhead_s)
-    )
+    halved = _timed(c, StepTime(1.0, 2.0, 3.5 + overhead_s))
     assert halved.recompute_scale == pytest.approx(0.5)
     assert halved.node_recompute_time_s(3) == pytest.approx(0.5 * halved.node_time_s(3))
     # Under a selective policy the same step took 1 ms longer per aten call its forward made.
     calls = sum(n.fwd_calls for n in slow.nodes)
     assert calls > 0
     checkpointed_s = 3.5 + overhead_s
-    selective = estimate(
-        c.module,
-        c.args,
-        c.kwargs,
-        time_ops=True,
-        step_time=StepTime(1.0, 2.0, checkpointed_s, checkpointed_s + calls * 1e-3),
-    )
+    selective = _timed(c, StepTime(1.0, 2.0, checkpointed_s, checkpointed_s + calls * 1e-3))
     assert selective.selective_call_overhead_s == pytest.approx(1e-3)
     stand_in = checkpoint_overhead(torch.device("cpu")).per_selective_call_s
     assert halved.selective_call_overhead_s == stand_in  # not measured: the tiny chain's
     # A step faster than its ops timed alone: they are scaled down alike.
-    fast = estimate(c.module, c.args, c.kwargs, time_ops=True, step_time=StepTime(1e-6, 2e-6))
+    fast = _timed(c, StepTime(1e-6, 2e-6))
     assert sum(n.fwd_time_s for n in fast.nodes) == pytest.approx(1e-6)
     assert sum(n.bwd_time_s for n in fast.nodes) == pytest.approx(2e-6)
     ratios = {n.fwd_time_s / t.fwd_time_s for n, t in zip(fast.nodes, slow.nodes) if n.fwd_time_s}

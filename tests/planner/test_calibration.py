@@ -19,6 +19,7 @@ import planner
 from benchmarks.models import GPT, GPTConfig, gpt_example
 from planner import calibration
 from planner.calibration import MEASUREMENTS, Calibration, CalibrationError
+from planner.devices import profile_of_model
 from planner.fsdp import per_rank
 from planner.passes.eager import eager_graph
 from planner.solvers.costgraph import Schedule
@@ -203,7 +204,7 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
             )
         config = planner.FSDPConfig(world_size=world, backend="gloo")
         # 80% of the rank's unplanned peak (priced without timing: no collective)
-        unplanned = per_rank(model, eager_graph(model, x), config)
+        unplanned = per_rank(model, eager_graph(model, x, rates=profile_of_model(model)), config)
         budget_gb = 0.8 * simulate(unplanned.graph, Schedule()).peak_bytes / 1e9
         p = planner.plan(model, x, budget_gb, form="inplace", fsdp=config)
         mine = (_fingerprint(p), p.graph.meta["timing"])

@@ -14,6 +14,7 @@ import pytest
 
 import planner
 from benchmarks.models import GPTConfig, gpt_example, gpt_ref_small_example, unet_example
+from planner.devices import profile_of_model
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.solvers.costgraph import Schedule
@@ -42,7 +43,9 @@ def notebook_unet_example():
 def _graph(example):
     model, x = example()
     captured = capture(model, x)
-    return estimate(captured.module, captured.args, captured.kwargs)
+    return estimate(
+        captured.module, captured.args, captured.kwargs, rates=profile_of_model(captured.module)
+    )
 
 
 @pytest.mark.slow

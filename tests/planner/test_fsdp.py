@@ -22,6 +22,7 @@ from torch import nn
 
 import planner
 from benchmarks.models import GPT, GPTConfig
+from planner.devices import profile_of_model
 from planner.fsdp import FSDPConfig, fsdp_changes, per_rank, shard
 from planner.passes.eager import eager_graph
 from planner.passes.step import call, training_loss
@@ -50,7 +51,7 @@ class _Tiny(nn.Module):
 
 def test_buffer_changes_hand_computed():
     model, x = _Tiny(), torch.randn(2, 3)
-    eg = eager_graph(model, x)
+    eg = eager_graph(model, x, rates=profile_of_model(model))
     changes = fsdp_changes(model, eg, FSDPConfig(world_size=2))
     # A block: weight 3x4 padded to 4 rows (4*4*4 = 64 B) + bias 3 padded to 4 (16 B) = 80 B
     # all-gathered; gradients unpadded 48 + 12 = 60 B; sharded gradients 80 / 2 = 40 B.
@@ -103,7 +104,9 @@ def test_buffer_changes_hand_computed():
 
 def test_regions_stay_inside_units():
     model, x = _Tiny(), torch.randn(2, 3)
-    eg = per_rank(model, eager_graph(model, x), FSDPConfig(world_size=2))
+    eg = per_rank(
+        model, eager_graph(model, x, rates=profile_of_model(model)), FSDPConfig(world_size=2)
+    )
     units = [eg.module_spans[p] for p in ("blocks.0", "blocks.1")]
     assert set(eg.spans.values()) >= {"blocks.0", "blocks.1", "head"}
     assert "" not in eg.spans.values()  # the root's call spans both blocks
@@ -218,7 +221,7 @@ def _plan(name: str, world: int, plan_path: str):
     model, x = BUILD[name](world)
     part = _rank_part(x, 0, world)  # every rank's micro-batch has this shape
     config = FSDPConfig(world, backend="gloo")
-    unplanned = per_rank(model, eager_graph(model, part), config)
+    unplanned = per_rank(model, eager_graph(model, part, rates=profile_of_model(model)), config)
     no_plan_bytes = simulate(unplanned.graph, Schedule()).peak_bytes
     # The CPU profile's roofline, not the ops timed on this machine: the same plan on every run.
     p = planner.plan(

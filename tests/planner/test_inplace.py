@@ -14,6 +14,7 @@ from torch import nn
 import planner
 from benchmarks.models import GPTConfig, gpt_example
 from planner import inplace
+from planner.devices import profile_of_model
 from planner.inplace import ModuleRegion, apply_regions
 from planner.passes.step import call, training_loss
 from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
@@ -65,7 +66,7 @@ def test_selective_and_nested_regions_keep_what_was_planned_bitwise(planned):
     from planner.solvers.selective import out_bytes, worth_keeping
 
     model, reference, example, _, _ = planned
-    eg = eager_graph(model, example)
+    eg = eager_graph(model, example, rates=profile_of_model(model))
     span = {path: s for s, path in eg.spans.items()}
     produced = out_bytes(eg.graph)
     (a, b), (c, d), (e, f) = span["blocks.0"], span["blocks.1"], span["blocks.1.attn"]
@@ -99,7 +100,7 @@ def test_offload_regions_run_their_hooks_with_bitwise_gradients(planned, monkeyp
     from planner.solvers.costgraph import Region, Schedule
 
     model, reference, example, _, _ = planned
-    eg = eager_graph(model, example)
+    eg = eager_graph(model, example, rates=profile_of_model(model))
     (a, b) = next(s for s, path in eg.spans.items() if path == "blocks.1")
     p = build_inplace_plan(model, eg, Schedule((Region(a, b, 0, "offload"),), "manual"), 10**9)
     assert [m.kind for m in p.module_regions] == ["offload"]
@@ -253,7 +254,7 @@ def test_a_call_that_diverges_from_the_plan_recomputes_and_warns_once():
     x = torch.randn(4, 8)
     from planner.passes.eager import eager_graph
 
-    eg = eager_graph(model, x)
+    eg = eager_graph(model, x, rates=profile_of_model(model))
     (start, stop) = next(s for s, path in eg.spans.items() if path == "0")
     keep = next(i for i in range(start, stop) if "addmm" in eg.graph.nodes[i].op)
     region = ModuleRegion(
@@ -278,7 +279,7 @@ def test_batchnorm_modules_are_regions_that_name_their_statistics():
     from planner.passes.eager import eager_graph
 
     model, x = residual_cnn_example(batch=2, size=8)
-    eg = eager_graph(model, x)
+    eg = eager_graph(model, x, rates=profile_of_model(model))
     bn = [path for path, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
     assert bn and set(bn) <= set(eg.spans.values()) and not set(bn) & set(eg.refused)
     stats = ("num_batches_tracked", "running_mean", "running_var")

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import planner
 from benchmarks.compiled_inplace import gpt2, llama, tokens
+from planner.devices import profile_of_model
 from planner.inplace import ModuleRegion, apply_regions
 from tests.helpers import assert_same_step_copy, step
 
@@ -203,7 +204,7 @@ def test_divergence_is_detected_while_compiling():
     torch.manual_seed(0)
     model = nn.Sequential(_Branchy(), nn.Linear(8, 1))
     x = torch.randn(4, 8)
-    eg = eager_graph(model, x)
+    eg = eager_graph(model, x, rates=profile_of_model(model))
     (start, stop) = next(s for s, path in eg.spans.items() if path == "0")
     keep = next(i for i in range(start, stop) if "addmm" in eg.graph.nodes[i].op)
     region = ModuleRegion(

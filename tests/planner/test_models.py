@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import planner
+from planner.devices import profile_of_model
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.step import call
@@ -156,7 +157,9 @@ def test_gpt2_tied_embedding_survives():
 def gpt2_graph():
     model, example_input = zoo.gpt2_example()
     captured = capture(model, example_input)
-    return estimate(captured.module, captured.args, captured.kwargs)
+    return estimate(
+        captured.module, captured.args, captured.kwargs, rates=profile_of_model(captured.module)
+    )
 
 
 def least_peak(graph, solver: str) -> int:

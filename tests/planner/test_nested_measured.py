@@ -23,6 +23,7 @@ from torch import nn
 
 import planner
 from benchmarks.models import gpt_ref_small_example
+from planner.devices import profile_of_model
 from planner.inplace_form import build_inplace_plan
 from planner.passes.eager import eager_graph
 from planner.planning import price
@@ -113,7 +114,7 @@ def test_depth2_nest_graph_form_predicted_equals_measured():
 
 def test_depth2_nest_in_place_predicted_equals_measured():
     model, x = _example()
-    eg = eager_graph(model, x)
+    eg = eager_graph(model, x, rates=profile_of_model(model))
     span = {path: s for s, path in eg.spans.items()}
     regions = tuple(Region(*span[path], depth) for depth, path in enumerate(NEST))
     p = build_inplace_plan(model, eg, Schedule(regions, "manual"), 10**9)

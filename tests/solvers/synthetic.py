@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from planner.solvers.costgraph import CostGraph, Node, Tensor
+from planner.solvers.op_classes import op_class_tags, short_op_name
 
 
 @dataclass
@@ -78,6 +79,7 @@ class GraphBuilder:
                 fwd_temp_bytes=fwd_temp_bytes,
                 bwd_temp_bytes=bwd_temp_bytes,
                 param_grad_bytes=param_grad_bytes,
+                tags=frozenset(op_class_tags(short_op_name(op))),  # as the estimators tag
             )
         )
         return name

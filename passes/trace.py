@@ -1,0 +1,377 @@
+"""The fake-tensor tracker both estimators run the step under: one record per priced op.
+
+``passes/estimate.py`` (a captured graph, one record per fx node) and ``passes/eager.py`` (the
+model's own forward, one record per aten call) run the training step under ``FakeTensorMode``
+with a :class:`Tracker` beneath it. The tracker sees every aten operation and every storage it
+creates (a weakref finalizer on each storage says when it dies), and keeps per op: FLOPs, bytes
+moved, in-place writes, what it reads (:meth:`Tracker.enter_node`), its forward working set,
+output shapes and whether it only made views (:meth:`Tracker.exit_node`, an :class:`OpRecord`),
+and which autograd nodes it created (:meth:`Tracker.claim`), whose pre-hooks attribute the
+backward's memory to it (:class:`BackwardSegments`). ``passes/costing.py`` turns a tracker's
+records into a CostGraph.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from planner.passes.nodes import written_arguments
+from planner.passes.op_timing import OpCall, op_call
+from planner.passes.step import amp_backward, autocast_dtypes
+
+_SDPA_BACKENDS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash",
+    torch.ops.aten._scaled_dot_product_flash_attention.default: "flash",
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: "efficient",
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default: "cudnn",
+    torch.ops.aten._safe_softmax.default: "math",
+}
+
+
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+_GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
+
+
+def _grouped_mm_off_meta(mat_a: Any, mat_b: Any, *args: Any, **kwargs: Any) -> bool:
+    """Whether torch's fake kernel of ``aten._grouped_mm`` would refuse a call eager runs.
+
+    The fake kernel checks the CUDA kernel's constraints (bfloat16 inputs), but the CPU kernel
+    takes any floating dtype: a Mixtral or Qwen2-MoE in float32 runs eagerly on the CPU and
+    died in pricing. Those calls are priced by :func:`_grouped_mm_out` instead."""
+    return mat_a.dtype != torch.bfloat16 and mat_a.device.type in ("cpu", "meta")
+
+
+def _grouped_mm_out(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The output of ``aten._grouped_mm`` (shape rule of torch's meta kernel, contiguous as the
+    CPU kernel returns it), without its bfloat16 check; called under the fake mode."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]  # type: ignore[union-attr]
+    elif mat_a.dim() == 2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+def _grouped_mm_flop(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any
+) -> int:
+    """2 x (multiply-adds) of a grouped matmul: each output element sums over the contraction
+    dimension, which the groups (``offs``) partition when both operands are 2-D."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.size(0) * mat_a.size(1) * mat_b.size(1)
+    return 2 * out_val.numel() * mat_a.size(-1)
+
+
+# FLOP formulas torch.utils.flop_counter lacks (it counts 0 for an op without one).
+_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {}
+if _GROUPED_MM is not None:
+    _FLOP_FORMULAS[torch.ops.aten._grouped_mm] = _grouped_mm_flop
+
+
+@dataclass(eq=False)
+class Storage:
+    """One storage seen during the fake run (mutable scratch; identity-compared)."""
+
+    nbytes: int
+    node: int  # index of the node whose forward/backward allocated it; -1 outside any node
+    phase: str  # "fwd" | "bwd"
+    alive: bool = True
+    requires_grad: bool = False
+    users: set[int] = field(default_factory=set)
+    saved_by: set[int] = field(default_factory=set)
+    is_output: bool = False
+    freed_at: int | None = None  # node whose backward was running when it died (None: forward)
+    held_to_end: bool = False
+    written_by: set[int] = field(default_factory=set)  # nodes writing it in place in forward
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+class Tracker(TorchDispatchMode):
+    """Sees every aten op under the fake mode: new storages, frees, FLOPs, bytes moved."""
+
+    def __init__(self, record_calls: bool = False) -> None:
+        super().__init__()
+        self.record_calls = record_calls
+        # (phase, node) -> [(the call, or None if it cannot be rebuilt, FLOPs, bytes moved)]
+        self.calls: dict[tuple[str, int], list[tuple[OpCall | None, int, int]]] = defaultdict(list)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.by_key: dict[int, Storage] = {}
+        self.node = -1
+        self.phase = "fwd"
+        self.flops: dict[tuple[str, int], int] = defaultdict(int)
+        self.moved_bytes: dict[tuple[str, int], int] = defaultdict(int)
+        self.call_counts: dict[tuple[str, int], int] = defaultdict(int)
+        self.random_nodes: set[int] = set()
+        self.sdpa_backends: set[str] = set()
+        self.allocated: dict[tuple[str, int], list[Storage]] = defaultdict(list)
+        # Model buffers (node -1 storages) each node writes in forward: BatchNorm statistics.
+        self.state_written: dict[int, dict[int, int]] = defaultdict(dict)
+        # node -> id(record) of the model buffers its forward saves for backward (BatchNorm
+        # saves its running statistics): a recomputation's copy of those lives to its backward
+        self.state_saved: dict[int, set[int]] = defaultdict(set)
+        # node -> how many storages its forward had allocated at its last save for backward
+        self.allocated_at_last_save: dict[int, int] = {}
+        # autocast's weight copies, held to the end of forward as autocast's cache holds them
+        # (the cache may skip fake tensors, so the pricing run holds them here)
+        self.cast_cache: list[torch.Tensor] = []
+        self.autocast = bool(autocast_dtypes())
+        self.died_at: dict[int, int] = {}  # id(storage record) -> node it outlived in forward
+        self.casts: set[int] = set()  # id(storage record) of the copies autocast cached
+        self.records: list[OpRecord] = []
+        self.grad_fn_node: dict[Any, int] = {}
+        self.segments = BackwardSegments(self)
+
+    def _is_weight(self, t: Any) -> bool:
+        """A parameter: what autocast caches the casts of (leaves that require grad)."""
+        rec = self.lookup(t) if is_tensor(t) else None
+        return rec is not None and rec.phase == "ext" and t.requires_grad and t.is_leaf
+
+    def release_casts(self, last_node: int) -> None:
+        """The forward ends, and autocast's cache lets go of its copies. Autograd saved most of
+        them, so they outlive this run; in a region, which saves nothing, the cache was what
+        held them to here (``Tensor.freed_after``, simulate's Rule 1)."""
+        for t in self.cast_cache:
+            if (rec := self.lookup(t)) is not None:
+                self.died_at.setdefault(id(rec), last_node)
+                self.casts.add(id(rec))
+        self.cast_cache.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and _grouped_mm_off_meta(*args, **kwargs):
+            out = _grouped_mm_out(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if self.autocast and func is torch.ops.aten._to_copy.default and self._is_weight(args[0]):
+            self.cast_cache.append(out)
+        where = (self.phase, self.node)
+        packet = func._overloadpacket
+        formula = _FLOP_FORMULAS.get(packet) or flop_registry.get(packet)
+        flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
+        self.flops[where] += flops
+        self.call_counts[where] += 1
+        if func in _SDPA_BACKENDS and self.phase == "fwd":
+            self.sdpa_backends.add(_SDPA_BACKENDS[func])
+        if torch.Tag.nondeterministic_seeded in func.tags and self.phase == "fwd":
+            self.random_nodes.add(self.node)
+        if self.phase == "fwd" and self.node >= 0:
+            self.note_writes(func, args, kwargs)
+        # One flatten of the arguments serves the traffic and the recorded call.
+        flat = tree_flatten((args, kwargs)) if self.record_calls or not func.is_view else None
+        outs = [t for t in tree_leaves(out) if is_tensor(t)]
+        moved = 0
+        if not func.is_view:
+            # Roofline traffic: every input read once, every output written once.
+            ins = [t for t in flat[0] if is_tensor(t)]  # type: ignore[index]
+            moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
+            self.moved_bytes[where] += moved
+        if self.record_calls:
+            self.calls[where].append((op_call(func, args, kwargs, flat), flops, moved))
+        for t in outs:
+            self.track(t)
+        return out
+
+    def note_writes(self, func, args: tuple, kwargs: dict) -> None:
+        """Record the storages ``func`` writes in place (``passes/nodes.written_arguments``)."""
+
+        def value_of(k: int, name: str) -> Any:
+            return args[k] if k < len(args) else kwargs.get(name)
+
+        for value in written_arguments(func._schema, value_of):
+            for t in tree_leaves(value):
+                if not is_tensor(t) or (rec := self.lookup(t)) is None:
+                    continue
+                if rec.node >= 0:
+                    rec.written_by.add(self.node)
+                elif rec.phase == "ext":
+                    self.state_written[self.node][id(rec)] = rec.nbytes
+
+    def track(self, t: torch.Tensor) -> Storage | None:
+        st = t.untyped_storage()
+        rec = self.by_key.get(st._cdata)
+        if rec is not None:
+            return rec
+        rec = Storage(nbytes=st.nbytes(), node=self.node, phase=self.phase)
+        self.by_key[st._cdata] = rec
+        self.allocated[(self.phase, self.node)].append(rec)
+        self.live_bytes += rec.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(st, self._free, st._cdata, rec)
+        return rec
+
+    def register_external(self, t: Any) -> None:
+        """Parameters, buffers and inputs: the baseline, never counted as step memory."""
+        if is_tensor(t):
+            st = t.untyped_storage()
+            self.by_key.setdefault(st._cdata, Storage(nbytes=st.nbytes(), node=-1, phase="ext"))
+
+    def _free(self, key: int, rec: Storage) -> None:
+        rec.alive = False
+        rec.freed_at = self.node if self.phase == "bwd" else None
+        self.live_bytes -= rec.nbytes
+        if self.by_key.get(key) is rec:
+            del self.by_key[key]
+
+    def lookup(self, t: torch.Tensor) -> Storage | None:
+        return self.by_key.get(t.untyped_storage()._cdata)
+
+    def enter_node(self, i: int, inputs: Any) -> tuple[set[int], set[int], Segment]:
+        """Node ``i``'s forward starts on ``inputs``: it uses the storages it reads, and its
+        working set opens. Returns (ids of the storage records read, the nodes that made them,
+        its forward segment)."""
+        read: set[int] = set()
+        producers: set[int] = set()
+        for t in tree_leaves(inputs):
+            if is_tensor(t) and (rec := self.lookup(t)) is not None:
+                read.add(id(rec))
+                if rec.node >= 0:
+                    rec.users.add(i)
+                    producers.add(rec.node)
+        self.node, self.phase = i, "fwd"
+        seg = Segment(start_bytes=self.live_bytes)
+        self.peak_bytes = self.live_bytes
+        return read, producers, seg
+
+    def exit_node(self, record: OpRecord, read: set[int], seg: Segment, out: Any) -> list:
+        """The node's forward returned ``out``: its working set, output shapes, and whether it
+        only made views of what it read. Returns its tensor outputs."""
+        seg.peak_above_start_bytes = self.peak_bytes - seg.start_bytes
+        record.fwd = seg
+        outs = [t for t in tree_leaves(out) if is_tensor(t)]
+        record.shapes = [tuple(t.shape) for t in outs]
+        record.is_view = bool(outs) and all(id(self.lookup(t)) in read for t in outs)
+        return outs
+
+    def claim(self, outs: list, i: int) -> None:
+        """Map the autograd nodes that made ``outs`` to forward node ``i`` (walking back to
+        known ones): their pre-hooks open ``i``'s backward segment."""
+        for t in outs:
+            if (rec := self.lookup(t)) is not None:
+                rec.requires_grad |= t.requires_grad and t.is_floating_point()
+        stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+        while stack:
+            g = stack.pop()
+            if g in self.grad_fn_node or type(g).__name__ == "AccumulateGrad":
+                continue
+            self.grad_fn_node[g] = i
+            g.register_prehook(functools.partial(_enter_backward, self.segments, i))
+            stack.extend(f for f, _ in g.next_functions if f is not None)
+
+    def backward(self, loss: torch.Tensor, last: int) -> None:
+        """Run the step's backward from ``loss``, attributed to forward nodes from ``last`` down
+        (``loss``' own autograd nodes belong to ``last``)."""
+        if (rec := self.lookup(loss)) is not None and rec.node >= 0:
+            rec.held_to_end = True  # the caller holds the loss through backward
+        self.phase = "bwd"
+        self.segments.enter(last)
+        with amp_backward():
+            loss.backward()
+        self.segments.close()
+
+    def note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
+        """Autograd saved ``rec`` for node ``owner``'s backward. ``allocated``: the storages
+        ``owner``'s forward had allocated by then (None: not during its forward)."""
+        if rec is not None and rec.node >= 0:
+            rec.saved_by.add(owner)
+        elif rec is not None and rec.phase == "ext":
+            self.state_saved[owner].add(id(rec))
+        if allocated is not None:
+            # Checkpoint's recomputation stops at the last save; what the node allocates after
+            # it (a linear saves its inputs, then computes) is never made again.
+            done = self.allocated_at_last_save.get(owner, 0)
+            self.allocated_at_last_save[owner] = max(done, allocated)
+
+
+@dataclass
+class Segment:
+    """Memory seen while one node's forward or backward ran."""
+
+    start_bytes: int = 0
+    peak_above_start_bytes: int = 0
+
+
+@dataclass(eq=False)
+class OpRecord:
+    """One priced op: a graph node (``estimate``) or one aten call (``eager``).
+
+    ``op``: the CostGraph node's ``op`` (a short name in a graph, the overload in eager code);
+    ``inputs``: the records whose outputs it reads; ``module_type``: the class of the module
+    that issued it, where known; ``fwd_calls``: the aten calls its forward dispatched.
+    """
+
+    name: str
+    op: str
+    module_path: str
+    inputs: set[int]
+    module_type: str = ""
+    fwd: Segment = field(default_factory=Segment)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    is_view: bool = False
+    fwd_calls: int = 1
+
+
+def to_fake(mode: FakeTensorMode, x: Any) -> Any:
+    if is_tensor(x):
+        return mode.from_tensor(x, static_shapes=True)
+    return x
+
+
+def fake_state(mode: FakeTensorMode, module: torch.nn.Module) -> dict[str, Any]:
+    """Fake copies of ``module``'s parameters and buffers, by name (tied ones under each name),
+    to run it on with ``torch.nn.utils.stateless._reparametrize_module``."""
+    state = {k: to_fake(mode, v) for k, v in module.named_parameters(remove_duplicate=False)}
+    state.update({k: to_fake(mode, v) for k, v in module.named_buffers(remove_duplicate=False)})
+    return state
+
+
+class BackwardSegments:
+    """Memory of each forward node's backward: entered from autograd pre-hooks, in order."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+        self.by_node: dict[int, Segment] = {}
+        self.start_bytes = 0
+
+    def enter(self, i: int) -> None:
+        tr = self.tracker
+        if i == tr.node and tr.phase == "bwd" and i in self.by_node:
+            return  # another autograd node of the same forward node: one working set
+        self.close()
+        tr.node = i
+        self.by_node.setdefault(i, Segment(start_bytes=tr.live_bytes))
+        self.start_bytes = tr.live_bytes
+        tr.peak_bytes = tr.live_bytes
+
+    def close(self) -> None:
+        seg = self.by_node.get(self.tracker.node)
+        if seg is not None:
+            above = self.tracker.peak_bytes - self.start_bytes
+            seg.peak_above_start_bytes = max(seg.peak_above_start_bytes, above)
+
+
+def _enter_backward(segments: BackwardSegments, i: int, grad_outputs: Any) -> None:
+    segments.enter(i)

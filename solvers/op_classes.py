@@ -1,0 +1,53 @@
+"""The one table of op classes: which ops are matmuls, convolutions and fused attention.
+
+The estimators (``passes/costing.py``) tag each CostGraph node from it; solvers read the tags
+(``Node.tags``), never op names. Keys are short op names, an aten overload packet's name
+(``addmm``, ``_scaled_dot_product_flash_attention``) or an fx target's (``linear``, ``matmul``).
+Torch-free, so that a CostGraph built by hand (the solvers' tests) is tagged the same way.
+
+Tags this table gives (beside the estimators' own: ``attention``, ``skip``, ``random``,
+``inplace``, ``batchnorm``, ``view``):
+
+- ``matmul``: a matmul, convolution or fused attention, whatever its output's size;
+- ``weight_matmul``: of those, the ones that multiply by a weight (linear, addmm, mm, any
+  convolution): their outputs are worth keeping (Megatron's selective recomputation);
+- ``fused_attention``: a fused attention kernel (its output is not the S x S scores).
+"""
+
+from __future__ import annotations
+
+MATMUL = "matmul"
+WEIGHT_MATMUL = "weight_matmul"
+FUSED_ATTENTION = "fused_attention"
+
+# Multiply by a weight (exact names); any op named "...conv..." is a convolution, one too.
+WEIGHT_MATMUL_OPS = ("linear", "addmm", "mm", "convolution", "conv1d", "conv2d", "conv3d", "_conv")
+# Multiply two activations (matched within the name: "bmm" also finds "baddbmm").
+PAIR_MATMUL_OPS = ("matmul", "bmm", "baddbmm", "einsum")
+FUSED_ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+# The ops that may compute attention scores, an (S, S)-ended output (exact names).
+SCORE_OPS = frozenset({"mm", *PAIR_MATMUL_OPS})
+
+
+def is_fused_attention(name: str) -> bool:
+    """A fused attention op, for the ``attention`` tag (the S x S-memory family)."""
+    return "scaled_dot_product" in name or "attention" in name
+
+
+def op_class_tags(name: str) -> set[str]:
+    """The tags op ``name`` earns by its class alone (module docstring)."""
+    tags = set()
+    fused = any(p in name for p in FUSED_ATTENTION_OPS)
+    if name in WEIGHT_MATMUL_OPS or "conv" in name:
+        tags |= {WEIGHT_MATMUL, MATMUL}
+    if fused:
+        tags |= {FUSED_ATTENTION, MATMUL}
+    if any(p in name for p in PAIR_MATMUL_OPS):
+        tags.add(MATMUL)
+    return tags
+
+
+def short_op_name(op: str) -> str:
+    """``aten.addmm.default`` -> ``addmm``: the table's key for a node's ``op``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
