@@ -376,7 +376,8 @@ def apply_plan(
     if example_input is None:
         return apply_plan_file(model, path)
     body = load_plan_file(path)
-    priced = price(model, example_input, loss_fn=loss_fn)
+    with hf_checkpointing.paused(model):  # captured as planner.plan captured it
+        priced = price(model, example_input, loss_fn=loss_fn)
     if priced.fingerprint != body["fingerprint"]:
         raise PlanFileError(
             f"the plan in {path} was made for another model or other input shapes (the captured "

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from planner import hf_checkpointing
 from planner.calibration import Calibration
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
@@ -122,14 +123,15 @@ def price_form(
     ``device``, ``calibration`` and ``fsdp``, the latter in place only)."""
     profile = check_form_options(form, device=device, fsdp=fsdp)
     if form == "graph":
-        return price(
-            model,
-            example_input,
-            loss_fn=loss_fn,
-            device=profile,
-            on_step=on_step,
-            calibration=calibration,
-        )
+        with hf_checkpointing.paused(model):  # as planner.plan: captured as the plan runs
+            return price(
+                model,
+                example_input,
+                loss_fn=loss_fn,
+                device=profile,
+                on_step=on_step,
+                calibration=calibration,
+            )
     check_trainable(model)
     on_step("estimate")  # one pass over the eager step: nothing is captured first
     eager = price_inplace(
