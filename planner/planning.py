@@ -41,7 +41,7 @@ from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
-from planner.passes.step import LossFn, join_input, model_input, takes_batch
+from planner.passes.step import LossFn, autocast_for, join_input, model_input, takes_batch
 from planner.plan_file import graph_fingerprint, load_plan_file, save_plan
 from planner.report import plan_summary
 from planner.solvers.costgraph import (
@@ -284,6 +284,7 @@ def plan(
     objective: Objective = "time",
     max_recompute_flops_fraction: float | None = None,
     calibration: Calibration | str | Path | None = None,
+    autocast: torch.dtype | None = None,
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -310,7 +311,27 @@ def plan(
     (``0.005``: 0.5%), the fastest such plan; trading time against FLOPs takes about ten
     solves. Raises ``RecomputeCapError`` (with the least fraction reachable) when no plan
     within the budget does.
+    ``autocast``: the dtype you train under ``torch.autocast`` in (``torch.bfloat16``,
+    ``torch.float16``): the step is priced as inside ``torch.autocast(<the model's device
+    type>, dtype=autocast)``, as when ``plan`` is called inside that context (None: the
+    caller's context, if any).
     """
+    if autocast is not None:
+        with autocast_for(model, autocast):
+            return plan(
+                model,
+                example_input,
+                mem_budget_gb,
+                solver,
+                loss_fn=loss_fn,
+                form=form,
+                device=device,
+                fsdp=fsdp,
+                objective=objective,
+                max_recompute_flops_fraction=max_recompute_flops_fraction,
+                calibration=calibration,
+                **solver_opts,
+            )
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")

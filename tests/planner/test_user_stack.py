@@ -351,6 +351,30 @@ def test_a_plan_made_inside_autocast_prices_the_amp_step_it_measures(tmp_path):
     assert '"precision": "parameters float32; autocast cpu bfloat16"' in path.read_text()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_plan_autocast_argument_prices_as_inside_autocast(dtype):
+    """``plan(..., autocast=dtype)``: the same plan as one made inside ``torch.autocast``, for a
+    script that plans outside its training loop; measured inside autocast as predicted."""
+    model, batch = _classifier_batch()
+    with torch.autocast("cpu", dtype=dtype):
+        eager_bytes = planner.measure(model, batch, _cross_entropy).peak_bytes
+    kw = dict(form="inplace", loss_fn=_cross_entropy, device="cpu")
+    with pytest.raises(planner.InfeasibleBudgetError) as e:
+        planner.plan(model, batch, 1e-9, autocast=dtype, **kw)
+    budget = (e.value.min_bytes + eager_bytes) // 2
+    p = planner.plan(model, batch, budget / 1e9, autocast=dtype, **kw)
+    with torch.autocast("cpu", dtype=dtype):
+        inside = planner.plan(model, batch, budget / 1e9, **kw)
+        measured = planner.measure(p.apply(copy.deepcopy(model)), batch, _cross_entropy)
+    assert [r.name for r in p.regions] == [r.name for r in inside.regions] != []
+    assert p.baseline_peak_bytes == inside.baseline_peak_bytes == eager_bytes
+    assert measured.peak_bytes == p.predicted_peak_bytes == inside.predicted_peak_bytes <= budget
+    assert p.precision == f"parameters float32; autocast cpu {str(dtype).removeprefix('torch.')}"
+    assert not torch.is_autocast_enabled("cpu")  # the context ends with plan()
+    with pytest.raises(ValueError, match="torch.bfloat16 or torch.float16"):
+        planner.plan(model, batch, budget / 1e9, autocast=torch.float32, **kw)
+
+
 def test_a_bf16_model_is_priced_in_bf16():
     model, batch = _classifier_batch()
     model = model.to(torch.bfloat16)
