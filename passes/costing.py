@@ -281,6 +281,10 @@ def storage_records(
         for rec in tracker.allocated.get(("fwd", i), []):
             survived = rec.alive or rec.users or rec.saved_by or rec.is_output or rec.held_to_end
             survived = survived or id(rec) in tracker.casts  # the cache held it
+            # read by no op, yet held past its node (a composite's discarded output, kept by
+            # the C++ frame until it returns: SDPA's math path on CPU casts the attention
+            # weights back to bf16 and drops them only as it returns): alive to its death
+            survived = survived or tracker.died_at.get(id(rec), -1) > rec.node
             if not survived:
                 continue
             recs.append(rec)

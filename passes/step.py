@@ -231,6 +231,26 @@ def data_dependent_error(
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def autocast_for(model: torch.nn.Module, dtype: torch.dtype) -> torch.autocast:
+    """``torch.autocast`` in ``dtype`` on the device type of ``model``'s parameters: what
+    ``planner.plan(..., autocast=dtype)`` prices the step under (ValueError for another dtype)."""
+    if dtype not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"autocast must be the dtype torch.autocast runs in, torch.bfloat16 or "
+            f"torch.float16, got {dtype!r}; None (the default) plans under the caller's own "
+            f"torch.autocast context, if any"
+        )
+    device_type = next((t.device.type for t in model.parameters()), "cpu")
+    if device_type not in _AUTOCAST_DEVICES:
+        raise ValueError(
+            f"autocast={dtype} needs the model on cpu or cuda (its parameters are on "
+            f"{device_type}): plan a model on the device you train on, or call planner.plan "
+            f"inside that device's torch.autocast context"
+        )
+    return torch.autocast(device_type, dtype=dtype)
 
 
 def autocast_dtypes() -> dict[str, torch.dtype]:

@@ -20,7 +20,9 @@ Left on beside a plan, every layer would recompute on top of the plan's regions,
   ``CheckpointingConflictError``; **disabling** it suspends the plan (the model then runs
   without checkpointing and says so), and enabling it again restores the plan instead of
   Hugging Face's: trl toggles the flags this way around generation;
-- ``planner.remove(model)`` undoes all of it; :func:`applied_plan` returns the applied plan.
+- ``planner.remove(model)`` undoes all of it, the flags that applying turned off turned on
+  again (unless Hugging Face's disable was called meanwhile: then they stay off, as asked);
+  :func:`applied_plan` returns the applied plan.
 
 Nothing here imports transformers: its models are recognised by their methods.
 """
@@ -58,6 +60,8 @@ class _Applied:
     unwrap: Callable[[torch.nn.Module], None]
     suspended: bool = False
     guarded: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
+    # the Hugging Face flags applying found on and turned off: ``remove`` turns them on again
+    turned_off: list[str] = field(default_factory=list)
 
 
 def is_hf_model(module: torch.nn.Module) -> bool:
@@ -99,8 +103,9 @@ def paused(model: torch.nn.Module) -> Iterator[None]:
         warnings.warn(
             f"planner: {type(model).__name__} has Hugging Face gradient checkpointing on "
             f"({len(paths)} modules, e.g. {paths[0]!r}); planned as if it were off, since the "
-            f"plan replaces it. p.apply(model) turns it off; do not enable it again "
-            f"(TrainingArguments(gradient_checkpointing=False)).",
+            f"plan replaces it. p.apply(model) turns it off (a graph plan's p.module runs "
+            f"without it); do not enable it again (TrainingArguments("
+            f"gradient_checkpointing=False)).",
             stacklevel=3,
         )
     _turn_off(model, paths)
@@ -125,12 +130,12 @@ def mark_applied(
     if paths:
         warnings.warn(
             f"planner: turned off Hugging Face gradient checkpointing on {type(model).__name__} "
-            f"({len(paths)} modules, e.g. {paths[0]!r}): the applied plan checkpoints instead. "
-            f"planner.remove(model) does not turn it back on.",
+            f"({len(paths)} modules, e.g. {paths[0]!r}): the applied plan checkpoints instead; "
+            f"planner.remove(model) turns it back on.",
             stacklevel=4,
         )
         _turn_off(model, paths)
-    state = _Applied(plan, tuple(regions), wrap, unwrap)
+    state = _Applied(plan, tuple(regions), wrap, unwrap, turned_off=paths)
     for m in model.modules():
         if not is_hf_model(m):
             continue
@@ -159,6 +164,9 @@ def unmark(model: torch.nn.Module) -> None:
     for m, name in state.guarded:
         m.__dict__.pop(name, None)
     _set_markers(model, False)
+    if not state.suspended:  # a disable() meanwhile turned Hugging Face's off for good
+        for path in state.turned_off:
+            model.get_submodule(path).gradient_checkpointing = True
 
 
 def applied_plan(model: torch.nn.Module) -> Any:

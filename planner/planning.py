@@ -30,7 +30,7 @@ from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
 from planner.graph_form import PricedGraph, PricedModel, build_plan, named_regions, price
 from planner.inplace_form import PricedInplace
-from planner.passes.step import LossFn
+from planner.passes.step import LossFn, autocast_for
 from planner.plan_file import read_plan_body
 from planner.plans import GB, InplacePlan, Plan, gb_to_bytes
 from planner.priced import OnStep, _no_progress, check_trainable
@@ -191,6 +191,7 @@ def plan(
     objective: Objective = "time",
     max_recompute_flops_fraction: float | None = None,
     calibration: Calibration | str | Path | None = None,
+    autocast: torch.dtype | None = None,
     **solver_opts: Any,
 ) -> Plan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -220,7 +221,27 @@ def plan(
     (``0.005``: 0.5%), the fastest such plan; trading time against FLOPs takes about ten
     solves. Raises ``RecomputeCapError`` (with the least fraction reachable) when no plan
     within the budget does.
+    ``autocast``: the dtype you train under ``torch.autocast`` in (``torch.bfloat16``,
+    ``torch.float16``): the step is priced as inside ``torch.autocast(<the model's device
+    type>, dtype=autocast)``, as when ``plan`` is called inside that context (None: the
+    caller's context, if any).
     """
+    if autocast is not None:
+        with autocast_for(model, autocast):
+            return plan(
+                model,
+                example_input,
+                mem_budget_gb,
+                solver,
+                loss_fn=loss_fn,
+                form=form,
+                device=device,
+                fsdp=fsdp,
+                objective=objective,
+                max_recompute_flops_fraction=max_recompute_flops_fraction,
+                calibration=calibration,
+                **solver_opts,
+            )
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     options = PlanOptions(
         form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction

@@ -12,6 +12,7 @@ framework. What they share is here (no framework imported).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from planner.inplace_form import load_inplace
-from planner.passes.step import LossFn
+from planner.passes.step import LossFn, autocast_for
 from planner.plans import InplacePlan
 
 GB = 10**9
@@ -80,15 +81,18 @@ def make_plan(
     loss_fn: LossFn | None = None,
     solver: str = "auto",
     device: Any = None,
+    autocast: torch.dtype | None = None,
 ) -> InplacePlan:
     """``planner.plan(model, example_input, ..., form="inplace")``; ``mem_budget_gb`` may also be
     a share of the predicted eager peak, as the command line takes it (``"50%"``).
+    ``autocast``: as ``planner.plan``'s (the dtype training runs under ``torch.autocast`` in).
 
     Planning runs real steps of ``model`` (timing) under ``fork_rng``, so the training's random
     stream (dropout, shuffling) is the same as without the callback."""
     from planner.planning import budget_bytes_from_gb, plan, price_form
 
-    with torch.random.fork_rng(devices=_cuda_devices(model)):
+    amp = contextlib.nullcontext() if autocast is None else autocast_for(model, autocast)
+    with torch.random.fork_rng(devices=_cuda_devices(model)), amp:
         if not isinstance(mem_budget_gb, str):
             return plan(
                 model,

@@ -27,6 +27,9 @@ TorchDispatchMode that slows the steps it watches: ``measure_every_n_steps`` spa
 log the Trainer writes gets ``planner/budget_bytes``, ``planner/predicted_peak_bytes`` and
 ``planner/measured_peak_bytes`` (the most measured since the last log); ``add_callback`` puts
 the callback first, so that every reporting integration (TensorBoard, W&B) sees them too.
+With ``TrainingArguments(bf16=True)`` (or ``fp16=True``) the plan made on the first batch is
+priced under ``torch.autocast`` in that dtype, as the Trainer runs the step (``planner.plan``'s
+``autocast=``).
 
 With gradient accumulation the measurement spans every micro-batch of the optimizer step: the
 gradients the first one makes stay counted, as the prediction counts them.
@@ -78,6 +81,7 @@ class PlanCallback(TrainerCallback):
         self._meter: StepPeak | None = None
         self._hook: Any = None
         self._measuring_step = False
+        self._autocast: torch.dtype | None = None  # TrainingArguments' mixed precision
 
     # --- applying ---------------------------------------------------------------------------
 
@@ -95,6 +99,15 @@ class PlanCallback(TrainerCallback):
             )
             hf_checkpointing.turn_off(model)
         self._model = model
+        # Trainer(bf16=True / fp16=True) runs the forward under torch.autocast, entered inside
+        # model.forward (accelerate), so the first batch's pre-hook plans outside it
+        self._autocast = (
+            torch.bfloat16
+            if getattr(args, "bf16", False)
+            else torch.float16
+            if getattr(args, "fp16", False)
+            else None
+        )
         self._meter = StepPeak(model) if self.measure else None
         if self.plan is not None:
             if applied_plan(model) is not self.plan:
@@ -123,6 +136,7 @@ class PlanCallback(TrainerCallback):
             loss_fn=self.loss_fn,
             solver=self.solver,
             device=self.device,
+            autocast=self._autocast,
         )
         self.plan.apply(model)
         if self._measuring_step and self._meter is not None and not self._meter.running:

@@ -19,6 +19,8 @@ for ``self.model = AutoModelForCausalLM...``; ``""``: the LightningModule itself
   ``example_input_fn(batch)`` turns a batch into the module's example input when the batch is
   not already what the module takes (a tensor, a tuple, or a dict of keyword tensors); the
   step's loss is the module's ``.loss`` (Hugging Face with labels), else ``loss_fn``.
+  Under ``precision="bf16-mixed"`` (or ``"16-mixed"``) it is priced under ``torch.autocast``
+  in that dtype, as ``training_step`` runs (``planner.plan``'s ``autocast=``).
 
 The measured peak is ``planner.measurement.StepPeak``'s from ``on_train_batch_start`` to
 ``on_before_optimizer_step``: forward, loss and backward of one batch above what was allocated
@@ -44,6 +46,9 @@ from planner.integrations import at_shape, callback_plan, make_plan, peak_logs
 from planner.measurement import StepPeak
 from planner.passes.step import LossFn
 from planner.plans import InplacePlan
+
+# Lightning's mixed precisions -> the torch.autocast dtype its training_step runs under
+_MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class PlanCallback(Callback):
@@ -104,6 +109,8 @@ class PlanCallback(Callback):
                 loss_fn=self.loss_fn,
                 solver=self.solver,
                 device=self.device,
+                # precision="bf16-mixed" runs training_step under torch.autocast, this hook not
+                autocast=_MIXED.get(str(getattr(trainer, "precision", ""))),
             )
             self.plan.apply(target)
         if self._meter is None or trainer.global_step % self.measure_every_n_steps:

@@ -169,3 +169,77 @@ def test_disabling_suspends_the_plan_and_enabling_restores_it(half):
     planner.remove(model)
     model.gradient_checkpointing_enable()  # no plan: Hugging Face's own, as before
     assert layer_flags(model) == [True] * 4 and wrapped(model) == set()
+
+
+def test_remove_turns_hf_checkpointing_back_on_as_it_was(half, monkeypatch):
+    """Applying turned Hugging Face's flags off; removing the plan turns them on again, and the
+    model trains with Hugging Face's checkpointing of every layer as before the plan."""
+    p = half[0]
+    model, ref = llama(), llama()
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match="planner.remove\\(model\\) turns it back on"):
+        p.apply(model)
+    assert layer_flags(model) == [False] * 4
+    planner.remove(model)
+    assert layer_flags(model) == [True] * 4 and hf_checkpointing(model)
+    assert wrapped(model) == set() and planner.applied_plan(model) is None
+    calls = CheckpointCalls(monkeypatch)
+    x = batch()
+    torch.manual_seed(0)
+    model(**x).loss.backward()
+    assert calls.count == 4  # one per layer: Hugging Face's own checkpointing again
+    torch.manual_seed(0)
+    ref(**x).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    # a model whose flags were off stays off
+    other = p.apply(llama())
+    planner.remove(other)
+    assert layer_flags(other) == [False] * 4 and not hf_checkpointing(other)
+
+
+def test_a_disable_while_applied_leaves_hf_checkpointing_off_after_remove(half):
+    p = half[0]
+    model = llama()
+    model.gradient_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p.apply(model)
+        model.gradient_checkpointing_disable()  # the user's word: off
+    planner.remove(model)
+    assert layer_flags(model) == [False] * 4 and not hf_checkpointing(model)
+
+
+def _planner_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("planner")]
+
+
+def test_compare_and_fit_batch_in_the_graph_form_price_as_without_hf_checkpointing():
+    """As planner.plan does: Hugging Face's checkpointing is paused while the model is
+    captured and priced (it says so once per pricing), the flags put back afterwards."""
+    x = batch(2, 32)
+    plain = planner.compare(
+        llama(layers=2), x, budget_fractions=[0.6], solvers=["dp"], form="graph", device="cpu"
+    )
+    model = llama(layers=2)
+    model.gradient_checkpointing_enable()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = planner.compare(
+            model, x, budget_fractions=[0.6], solvers=["dp"], form="graph", device="cpu"
+        )
+    said = _planner_warnings(caught)
+    assert len(said) == 1 and "planned as if it were off" in said[0]
+    assert c.eager_predicted_peak_bytes == plain.eager_predicted_peak_bytes
+    assert [r.predicted_peak_bytes for r in c.rows] == [r.predicted_peak_bytes for r in plain.rows]
+    assert layer_flags(model) == [True] * 2 and hf_checkpointing(model)
+    cap_gb = plain.eager_predicted_peak_bytes / 1e9
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit = planner.fit_batch(
+            model, lambda n: batch(n, 32), cap_gb, [2], form="graph", device="cpu", progress=False
+        )
+    said = _planner_warnings(caught)
+    assert said and all("planned as if it were off" in s for s in said)
+    assert fit.best.eager_peak_bytes == plain.eager_predicted_peak_bytes
+    assert layer_flags(model) == [True] * 2

@@ -105,6 +105,20 @@ def test_trainer_plans_on_first_batch_at_half_eager(tmp_path):
     ]
 
 
+def test_trainer_in_bf16_plans_the_first_batch_under_autocast(tmp_path):
+    """TrainingArguments(bf16=True): the Trainer's forward runs under torch.autocast, entered
+    inside model.forward, so the first batch's pre-hook is outside it; the callback plans
+    under bf16 autocast all the same (priced float32, the plan over-predicted the step)."""
+    ref_trainer, ref = train(llama(), str(tmp_path / "ref"), bf16=True)
+    model = llama()
+    cb = PlanCallback(mem_budget_gb="50%", largest_shape=(BATCH, SEQ), device="cpu")
+    trainer, got = train(model, str(tmp_path / "plan"), cb, bf16=True)
+    plan = cb.plan
+    assert plan.precision == "parameters float32; autocast cpu bfloat16" and plan.regions
+    assert_bitwise(got, ref)
+    assert_peaks_logged(trainer, plan)
+
+
 def test_trainer_with_peft_applies_a_saved_plan(tmp_path):
     peft = pytest.importorskip("peft")
 

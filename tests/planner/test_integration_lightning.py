@@ -47,12 +47,12 @@ class Grads(L.Callback):
         )
 
 
-def fit(module: CausalLM, tmp_path, *callbacks: Any) -> tuple[Any, Grads]:
+def fit(module: CausalLM, tmp_path, *callbacks: Any, **extra: Any) -> tuple[Any, Grads]:
     grads = Grads()
     trainer = L.Trainer(
         max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[*callbacks, grads], default_root_dir=str(tmp_path),
+        callbacks=[*callbacks, grads], default_root_dir=str(tmp_path), **extra,
     )  # fmt: skip
     L.seed_everything(0)
     loader = torch.utils.data.DataLoader(Rows(BATCH * STEPS), batch_size=BATCH, shuffle=True)
@@ -87,6 +87,25 @@ def test_lightning_plans_on_first_batch_at_half_eager(tmp_path):
         logged["planner/measured_peak_bytes"].item()
         == cb.history[-1]["planner/measured_peak_bytes"]
     )
+
+
+def test_lightning_bf16_mixed_plans_the_first_batch_under_autocast(tmp_path):
+    """precision="bf16-mixed": training_step runs under torch.autocast, the batch-start hook
+    that plans does not; the plan is priced under bf16 autocast all the same."""
+    _, ref = fit(CausalLM(), tmp_path / "ref", precision="bf16-mixed")
+    module = CausalLM()
+    cb = PlanCallback(mem_budget_gb="50%", largest_shape=(BATCH, SEQ), module="model", device="cpu")
+    _, got = fit(module, tmp_path / "plan", cb, precision="bf16-mixed")
+    plan = cb.plan
+    assert plan.precision == "parameters float32; autocast cpu bfloat16" and plan.regions
+    for step, (a, b) in enumerate(zip(got.steps, ref.steps, strict=True)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"step {step}: {name} differs"
+    assert len(cb.history) == STEPS
+    for h in cb.history:
+        measured = h["planner/measured_peak_bytes"]
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, h
+        assert measured <= plan.budget_bytes, h
 
 
 def test_lightning_applies_a_saved_plan_in_setup(tmp_path):
