@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from planner.priced import price_form
+from planner.planning import price_form
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.errors import UnsupportedModelError
 from tests.helpers import assert_same_step_copy
