@@ -255,8 +255,8 @@ def _busy_loops(n: int) -> list:
 def test_the_same_plan_three_times_and_in_two_processes_under_load(cache):
     """Given the device's calibration, planning is deterministic: three calls, a call that
     reads the calibration from disk, and another process sharing it give the identical plan
-    (regions, predicted peak and step time to the last bit), with a busy loop on every core
-    (the solvers' choices follow counted work, not the clock). The capped objective runs
+    (regions, predicted peak and step time to the last bit), with another job spinning on the
+    CPU (the solvers' choices follow counted work, not the clock). The capped objective runs
     several solves sharing one time limit."""
     import json
     import os
@@ -266,7 +266,7 @@ def test_the_same_plan_three_times_and_in_two_processes_under_load(cache):
     model, x = _example()
     first = planner.plan(model, x, BUDGET_GB, form="inplace", max_recompute_flops_fraction=0.5)
     assert first.regions, "the budget should need checkpointing"
-    busy = _busy_loops(os.cpu_count() or 2)
+    busy = _busy_loops(1)  # another job on the machine (on 2 cores: the other one)
     try:
         plans = [first]
         for k in range(2):
