@@ -11,7 +11,10 @@ Every figure here is a prediction: peaks from ``solvers/simulate.py``, times fro
 model (the graph's own ops timed on the model's device, or a device profile's roofline). Every
 batch size is priced from the device's one calibration (``planner/calibration.py``): each size
 times only its calls on new shapes, and the figures do not follow the load of the moment from
-one size to the next. The sizes' solves share one time limit.
+one size to the next. A larger size's calls whose counterparts at the size before took a
+millisecond or more are priced from those, times the ratio of their sizes
+(``calibration.batch_sweep``), not timed again: a sweep times the calls of its small sizes. The
+sizes' solves share one time limit (the CPU time they spend: ``SharedTimeLimit``).
 """
 
 from __future__ import annotations
