@@ -869,7 +869,7 @@ class _Programme:
         got = self.memo.get(key)
         if got is not None:
             return got[0]
-        if self.deadline is not None and time.perf_counter() > self.deadline:
+        if self.deadline is not None and time.process_time() > self.deadline:
             raise OutOfTime
         p, size = self.p, self.size
         options: list = []
@@ -1146,7 +1146,7 @@ def solve_all(
     deadline: float | None = None,
 ) -> Solved:
     """Run the programme once for every budget up to ``cap_bytes`` (OutOfTime past
-    ``deadline``, a ``time.perf_counter()`` value)."""
+    ``deadline``, a ``time.process_time()`` value: dp's clock, see :func:`solve_dp`)."""
     unit = max(1, math.ceil(cap_bytes / options.grid))
     p = prices(graph, unit)
     p = replace(p, bounds=stage_bounds(graph, p.bounds, options.max_bounds))
@@ -1311,17 +1311,22 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     schedule, whatever the budget) answers if it fits, and its peak is the least budget the
     error states. So every budget above a stated least is planned.
 
-    Anytime within ``options.time_limit_s``: on a graph with at least twice FIRST_STAGES
-    region boundaries it solves coarse to fine (:func:`stage_levels`), each level a whole
-    programme over a space that contains the previous one's, and keeps the best schedule found
+    Anytime within ``options.time_limit_s`` (seconds of this process's CPU time): on a graph
+    with at least twice FIRST_STAGES region boundaries it solves coarse to fine
+    (:func:`stage_levels`), each level a whole programme over a space that contains the
+    previous one's, and keeps the best schedule found
     (the note names the space that schedule was solved over, and what the time limit cut
     short). On a graph coarsened even at its finest level (more boundaries than
     ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
-    A refinement predicted not to finish in the time left (the last level's seconds per stage
-    times its stages) is not started. A programme cut short answers nothing: with no level done, dp
-    answers with ``greedy``'s schedule; the note says so.
+    A refinement predicted not to finish in the time left (the last level's work per stage
+    times its stages, counted: ``WORK``, not timed) is not started. A programme cut short
+    answers nothing: with no level done, dp answers with ``greedy``'s schedule; the note says
+    so.
     """
-    start = time.perf_counter()
+    # dp's time limit is this process's CPU time (dp is one Python thread): other jobs on the
+    # machine stretch its wall time, not its work, and must not cut a level short that a
+    # quiet machine finishes (and so change the plan).
+    start = time.process_time()
     deadline = start + options.time_limit_s
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
@@ -1407,7 +1412,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if graph.region_spans is not None:
         fallbacks = ()  # neither keeps to module spans
     for solve, opts in fallbacks:
-        left_s = max(0.0, deadline - time.perf_counter())
+        left_s = max(0.0, deadline - time.process_time())
         try:
             found = solve(graph, budget_bytes, opts(time_limit_s=left_s))
             break
