@@ -12,8 +12,9 @@ model (the graph's own ops timed on the model's device, or a device profile's ro
 batch size is priced from the device's one calibration (``planner/calibration.py``): each size
 times only its calls on new shapes, and the figures do not follow the load of the moment from
 one size to the next. A larger size's calls whose counterparts at the size before took a
-millisecond or more are priced from those, times the ratio of their sizes
-(``calibration.batch_sweep``), not timed again: a sweep times the calls of its small sizes. The
+millisecond or more are priced from those, times the ratio of their sizes and a factor per op
+(its largest call timed at the new size; ``calibration.batch_sweep``), not all timed again: a
+sweep times the calls of its small sizes and one call per op of the larger ones. The
 sizes' solves share one time limit (the CPU time they spend: ``SharedTimeLimit``).
 """
 
