@@ -21,6 +21,7 @@ measured best.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -136,9 +137,12 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
     factory = BATCH_FACTORIES[name]
     model, _ = factory(1)
     cap_bytes = planner.measure(model, factory(cap_batch)[1]).peak_bytes
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     fit = planner.fit_batch(model, lambda b: factory(b)[1], cap_bytes / 1e9)
-    print(f"fit_batch in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"fit_batch in {time.perf_counter() - t0:.1f} s wall ({time.process_time() - cpu0:.1f} s "
+        f"CPU, load {os.getloadavg()[0]:.1f})"
+    )
     print(fit)
     rows = [r for r in fit.rows if r.fits]
     # Each winner applied in place to a freshly built model, as a training script would.

@@ -131,12 +131,25 @@ def _real(x: Any, device: torch.device, generator: torch.Generator) -> Any:
         return x if not isinstance(x, torch.device) else device
     size = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride)) if all(x.shape) else 0
     if x.dtype.is_floating_point or x.dtype.is_complex:
-        flat = torch.randn(size, generator=generator).to(device=device, dtype=x.dtype)
+        flat = _random_floats(size, generator).to(device=device, dtype=x.dtype)
     elif x.dtype == torch.bool:
         flat = torch.rand(size, generator=generator).lt(0.5).to(device)
     else:
         flat = torch.zeros(size, dtype=x.dtype, device=device)  # valid indices, class 0
     return flat.as_strided(x.shape, x.stride)
+
+
+# Random values beyond this many are the first ones repeated: a kernel's time does not depend
+# on which values it reads, and drawing a large batch's inputs one normal at a time took
+# longer than timing the calls themselves.
+RANDOM_BLOCK = 1 << 16
+
+
+def _random_floats(size: int, generator: torch.Generator) -> torch.Tensor:
+    block = torch.randn(min(size, RANDOM_BLOCK), generator=generator)
+    if size <= RANDOM_BLOCK:
+        return block
+    return block.repeat(-(-size // RANDOM_BLOCK))[:size]
 
 
 def clock(device: torch.device) -> Callable[[], float]:

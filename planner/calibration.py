@@ -24,6 +24,7 @@ ranks price, and plan, alike (every rank must call ``plan``, as with any collect
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +32,8 @@ import platform
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -43,6 +45,7 @@ from planner.passes.op_timing import (
     CheckpointOverhead,
     DeviceTiming,
     OpCall,
+    TensorSpec,
     measure_call_overhead_s,
     measure_checkpoint_overhead,
     time_call,
@@ -270,15 +273,139 @@ def _measure_new(device: torch.device, dtype: str) -> Calibration:
     )
 
 
-def _time_missing(calibration: Calibration, calls: Sequence[OpCall], device: torch.device):
+def _time_missing(
+    calibration: Calibration,
+    calls: Sequence[OpCall],
+    device: torch.device,
+    scaled: Mapping[str, float] | None = None,
+):
+    """The times of the calls ``calibration`` lacks: ``scaled``'s figure where it has one
+    (:func:`scaled_times`), else timed now."""
     new: dict[str, float | None] = {}
     for call in calls:
         text = call.key_text
         if text in calibration.op_times_s or text in new:
             continue
+        if scaled is not None and text in scaled:
+            new[text] = scaled[text]
+            MEASUREMENTS["scaled"] += 1
+            continue
         new[text] = time_call(call, device)
         MEASUREMENTS["ops"] += 1
     return new
+
+
+# A call whose counterpart at the smaller batch took at least this long is priced from it
+# (``scaled_times``): past a millisecond a CPU kernel's time grows linearly with its rows
+# (GPT-ref's matmuls and attention from batch 8 to 64 within a few percent), and timing the
+# largest batch sizes' calls, each a few times, was most of a cold ``fit_batch``.
+SCALE_MIN_S = 1e-3
+
+
+def _numel(spec: Any) -> int:
+    n = 1
+    for d in spec.shape:
+        n *= d
+    return n
+
+
+def _grown_by(small: OpCall, large: OpCall) -> float | None:
+    """How many times larger ``large`` is than ``small``: the same op on the same arguments
+    but tensors, each tensor the same or its element count times one ratio r > 1 (the
+    batch's), its other arguments the same or integers times r (a view's sizes); else None."""
+    if small.op != large.op or small.spec != large.spec or len(small.leaves) != len(large.leaves):
+        return None
+    ratio: float | None = None
+    for a, b in zip(small.leaves, large.leaves):
+        if a == b:
+            continue
+        if isinstance(a, TensorSpec) and isinstance(b, TensorSpec):
+            if a.dtype != b.dtype or len(a.shape) != len(b.shape) or not _numel(a):
+                return None
+            r = _numel(b) / _numel(a)
+        elif isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a:
+            r = b / a
+        else:
+            return None
+        if r <= 1 or (ratio is not None and abs(r - ratio) > 1e-9 * ratio):
+            return None
+        ratio = r
+    return ratio
+
+
+def _per_op_corrected(
+    scaled: Mapping[str, float], calls: Sequence[OpCall], device: torch.device
+) -> dict[str, float]:
+    """``scaled`` with each op's figures corrected by one of its calls timed: its largest.
+
+    Linear scaling holds for compute-bound calls (matmuls: GPT-ref's within 4% from batch 8 to
+    64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
+    pointwise products 2.7-3.9 times their scaled figure at batch 64): each op's largest call
+    is timed and the ratio of its time to its scaled figure applied to the op's other calls.
+    A few timed calls per batch size instead of hundreds."""
+    by_text = {c.key_text: c for c in calls}
+    by_op: dict[str, list[tuple[float, str]]] = {}
+    for text, seconds in scaled.items():
+        by_op.setdefault(str(by_text[text].op), []).append((seconds, text))
+    out: dict[str, float] = {}
+    for group in by_op.values():
+        largest_s, largest = max(group)
+        timed = time_call(by_text[largest], device)
+        MEASUREMENTS["ops"] += 1
+        factor = 1.0 if timed is None else timed / largest_s
+        for seconds, text in group:
+            out[text] = seconds * factor
+        if timed is not None:
+            out[largest] = timed
+    return out
+
+
+class BatchSweep:
+    """What ``fit_batch`` keeps between its batch sizes: the calls of the last step priced.
+
+    A larger batch's step makes the same calls in the same order on tensors with more rows:
+    each call whose counterpart (same position, same op, tensors grown by one ratio r) took at
+    least SCALE_MIN_S is priced at r times that (:func:`scaled_times`), corrected by the op's
+    largest call timed (:func:`_per_op_corrected`), instead of being timed again, so a sweep
+    times the calls of its small batch sizes and one call per op of the larger ones. Pairing
+    by position needs the two steps to make the same number of calls; a step that does not
+    (its path depends on the batch) is timed whole."""
+
+    def __init__(self) -> None:
+        self.last_calls: list[OpCall] | None = None
+
+
+_SWEEP: ContextVar[BatchSweep | None] = ContextVar("planner_batch_sweep", default=None)
+
+
+@contextlib.contextmanager
+def batch_sweep() -> Iterator[BatchSweep]:
+    """Within: plans price each step's calls from the previous step's where they scale."""
+    token = _SWEEP.set(BatchSweep())
+    try:
+        yield _SWEEP.get()  # type: ignore[misc]
+    finally:
+        _SWEEP.reset(token)
+
+
+def scaled_times(
+    calibration: Calibration, previous: Sequence[OpCall], calls: Sequence[OpCall]
+) -> dict[str, float]:
+    """The calls of ``calls`` priced from their counterparts in ``previous`` (``BatchSweep``)."""
+    if len(previous) != len(calls):
+        return {}
+    out: dict[str, float] = {}
+    for small, large in zip(previous, calls):
+        text = large.key_text
+        if text in out or text in calibration.op_times_s:
+            continue
+        small_s = calibration.op_times_s.get(small.key_text)
+        if small_s is None or small_s < SCALE_MIN_S:
+            continue
+        ratio = _grown_by(small, large)
+        if ratio is not None:
+            out[text] = small_s * ratio
+    return out
 
 
 def _distributed() -> bool:
@@ -361,7 +488,14 @@ class CalibrationTimer:
             if calibration is None:
                 calibration = _measure_new(device, self.dtype)
                 self.source = "measured now"
-            new = _time_missing(calibration, calls, device)
+            sweep = _SWEEP.get()
+            scaled = None
+            if sweep is not None and sweep.last_calls is not None:
+                scaled = scaled_times(calibration, sweep.last_calls, calls)
+                scaled = _per_op_corrected(scaled, calls, device)
+            new = _time_missing(calibration, calls, device, scaled)
+            if sweep is not None:
+                sweep.last_calls = list(calls)
             if new:
                 calibration = calibration.with_times(new)
             signature = step_signature(calls)

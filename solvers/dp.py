@@ -176,6 +176,27 @@ class DPOptions(SolverOptions):
     span_grid: int | None = SPAN_GRID
 
 
+class _Work:
+    """The programme's work so far, counted (states solved, value cells): what a level costs,
+    the same on every machine and under any load."""
+
+    states = 0
+    cells = 0
+
+    def nominal_s(self) -> float:
+        return self.states * STATE_NOMINAL_S + self.cells * CELL_NOMINAL_S
+
+
+WORK = _Work()
+# Whether to refine is decided on the work a level is predicted to take, in the seconds it
+# takes a reference CPU core (this project's x86-64 machine: GPT-ref's three grid levels, 473
+# states each, 0.10, 0.20 and 1.09 s of CPU time): the same decision under any load and on
+# any machine, so the same graph and budget give the same plan. Only the time limit itself
+# (a safety net the default levels stay well inside) is the wall clock's.
+STATE_NOMINAL_S = 2e-4
+CELL_NOMINAL_S = 1.6e-8
+
+
 class OutOfTime(Exception):
     """The programme passed its deadline; what it had built is incomplete and dropped."""
 
@@ -848,7 +869,7 @@ class _Programme:
         got = self.memo.get(key)
         if got is not None:
             return got[0]
-        if self.deadline is not None and time.perf_counter() > self.deadline:
+        if self.deadline is not None and time.process_time() > self.deadline:
             raise OutOfTime
         p, size = self.p, self.size
         options: list = []
@@ -967,6 +988,8 @@ class _Programme:
         if root and self.offload and (self.max_depth is None or depth < self.max_depth):
             best = self.offload_options(c, b, crossing, best, choice, options)
         self.memo[key] = (best, c, options, choice)
+        WORK.states += 1
+        WORK.cells += size
         return best
 
     def offload_options(self, c, b, crossing, best, choice, options):
@@ -1123,7 +1146,7 @@ def solve_all(
     deadline: float | None = None,
 ) -> Solved:
     """Run the programme once for every budget up to ``cap_bytes`` (OutOfTime past
-    ``deadline``, a ``time.perf_counter()`` value)."""
+    ``deadline``, a ``time.process_time()`` value: dp's clock, see :func:`solve_dp`)."""
     unit = max(1, math.ceil(cap_bytes / options.grid))
     p = prices(graph, unit)
     p = replace(p, bounds=stage_bounds(graph, p.bounds, options.max_bounds))
@@ -1288,17 +1311,22 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     schedule, whatever the budget) answers if it fits, and its peak is the least budget the
     error states. So every budget above a stated least is planned.
 
-    Anytime within ``options.time_limit_s``: on a graph with at least twice FIRST_STAGES
-    region boundaries it solves coarse to fine (:func:`stage_levels`), each level a whole
-    programme over a space that contains the previous one's, and keeps the best schedule found
+    Anytime within ``options.time_limit_s`` (seconds of this process's CPU time): on a graph
+    with at least twice FIRST_STAGES region boundaries it solves coarse to fine
+    (:func:`stage_levels`), each level a whole programme over a space that contains the
+    previous one's, and keeps the best schedule found
     (the note names the space that schedule was solved over, and what the time limit cut
     short). On a graph coarsened even at its finest level (more boundaries than
     ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
-    A refinement predicted not to finish in the time left (the last level's seconds per stage
-    times its stages) is not started. A programme cut short answers nothing: with no level done, dp
-    answers with ``greedy``'s schedule; the note says so.
+    A refinement predicted not to finish in the time left (the last level's work per stage
+    times its stages, counted: ``WORK``, not timed) is not started. A programme cut short
+    answers nothing: with no level done, dp answers with ``greedy``'s schedule; the note says
+    so.
     """
-    start = time.perf_counter()
+    # dp's time limit is this process's CPU time (dp is one Python thread): other jobs on the
+    # machine stretch its wall time, not its work, and must not cut a level short that a
+    # quiet machine finishes (and so change the plan).
+    start = time.process_time()
     deadline = start + options.time_limit_s
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
@@ -1312,8 +1340,10 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     staged = is_staged(graph, options)
     best: tuple[float, tuple[Region, ...], str, float | None] | None = None
     stopped = ""
-    search_end = start + 0.8 * options.time_limit_s  # the search's share, the fallback the rest
-    done: tuple[int, float] | None = None  # the last level solved: its work and seconds
+    search_s = 0.8 * options.time_limit_s  # the search's share, the fallback the rest
+    search_end = start + search_s
+    done: tuple[int, float] | None = None  # the last level solved: its size and nominal s
+    work0_s = WORK.nominal_s()
     bounds = tuple(region_bounds(graph))
     for k, (count, grid) in enumerate(levels):
         last = k == len(levels) - 1
@@ -1325,20 +1355,21 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
         if stages < len(bounds) and options.max_span is not None:
             span = min(options.max_span, options.staged_span)
             level_options = replace(level_options, max_span=span)
-        level_start = time.perf_counter()
+        level_work_s = WORK.nominal_s()
         if done is not None and best is not None:
             # A level's work grows about linearly with its stages (LEVEL_GROWTH) and its grid
             # (the value vectors' length): a refinement that cannot finish in the time left is
             # not started, only to be cut short. A level that may give dp's first answer is
             # always tried (the prediction is conservative: Mamba-128's 192 stages take 2.6
-            # times its 48, not 3.8).
+            # times its 48, not 3.8). Time here is nominal (STATE_NOMINAL_S): counted work.
             predicted_s = done[1] * stages * grid / done[0]
-            left_s = search_end - level_start
+            spent_s = level_work_s - work0_s
+            left_s = search_s - spent_s
             of = f"the {limit}"
-            share_end = start + STAGED_REFINE_SHARE * options.time_limit_s
-            if staged and share_end < search_end:
+            share_s = STAGED_REFINE_SHARE * options.time_limit_s
+            if staged and share_s < search_s:
                 left_s, of = (
-                    share_end - level_start,
+                    share_s - spent_s,
                     f"the share of the {limit} a staged graph refines in",
                 )
             if predicted_s > left_s:
@@ -1360,9 +1391,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
             stopped = f"; refining to {level} cut short at the {limit}"
             break
         except _NoFit:
-            done = (stages * grid, time.perf_counter() - level_start)
+            done = (stages * grid, WORK.nominal_s() - level_work_s)
             continue
-        done = (stages * grid, time.perf_counter() - level_start)
+        done = (stages * grid, WORK.nominal_s() - level_work_s)
         step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
         if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
             if step_s < best[0]:
@@ -1381,7 +1412,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if graph.region_spans is not None:
         fallbacks = ()  # neither keeps to module spans
     for solve, opts in fallbacks:
-        left_s = max(0.0, deadline - time.perf_counter())
+        left_s = max(0.0, deadline - time.process_time())
         try:
             found = solve(graph, budget_bytes, opts(time_limit_s=left_s))
             break

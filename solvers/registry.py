@@ -49,7 +49,10 @@ class SharedTimeLimit:
     """One time limit shared by several solves (the capped objective's, ``compare``'s,
     ``fit_batch``'s), instead of each taking the whole limit: each solve gets an equal share
     of the time left, so time a solve did not use goes to the ones after it. Only the solves
-    (run inside :meth:`solving`) spend it, not the pricing or measuring between them."""
+    (run inside :meth:`solving`) spend it, not the pricing or measuring between them, and
+    they spend the CPU time this process gave them, not the wall clock's: other jobs on the
+    machine stretch a solve's wall time, not its work, and must not leave the solves after it
+    shorter shares (and so other plans) than a quiet machine would."""
 
     def __init__(self, time_limit_s: float) -> None:
         self.left_s = time_limit_s
@@ -65,12 +68,12 @@ class SharedTimeLimit:
 
     @contextlib.contextmanager
     def solving(self) -> Iterator[None]:
-        """Charge the time spent inside to the limit."""
-        start = time.perf_counter()
+        """Charge the CPU time spent inside to the limit."""
+        start = time.process_time()
         try:
             yield
         finally:
-            self.left_s -= time.perf_counter() - start
+            self.left_s -= time.process_time() - start
 
 
 # The least a shared limit gives one solve.

@@ -228,3 +228,108 @@ def test_every_rank_holds_the_same_plan(tmp_path, monkeypatch):
         assert plan0 == plan1
         assert plan0[0], "the budget should need checkpointing"
         assert "rank 0's, broadcast" in timing0 and "rank 0's, broadcast" in timing1
+
+
+# --- the same plan every time ------------------------------------------------------------------
+
+
+_CHILD_PLAN = """
+import json, sys
+import planner
+from benchmarks.models import GPTConfig, gpt_example
+cfg = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=64, dropout=0.0)
+model, x = gpt_example(cfg, batch=2, seed=0)
+p = planner.plan(model, x, float(sys.argv[1]), form="inplace", max_recompute_flops_fraction=0.5)
+print(json.dumps([[[r.name, r.kind, r.depth, list(r.saved_nodes)] for r in p.regions],
+                  p.predicted_peak_bytes, p.predicted_step_time_s]))
+"""
+
+
+def _busy_loops(n: int) -> list:
+    """``n`` processes spinning on the CPU: other jobs loading the machine while it plans."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_the_same_plan_three_times_and_in_two_processes_under_load(cache):
+    """Given the device's calibration, planning is deterministic: three calls, a call that
+    reads the calibration from disk, and another process sharing it give the identical plan
+    (regions, predicted peak and step time to the last bit), with another job spinning on the
+    CPU (the solvers' choices follow counted work, not the clock). The capped objective runs
+    several solves sharing one time limit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model, x = _example()
+    first = planner.plan(model, x, BUDGET_GB, form="inplace", max_recompute_flops_fraction=0.5)
+    assert first.regions, "the budget should need checkpointing"
+    busy = _busy_loops(1)  # another job on the machine (on 2 cores: the other one)
+    try:
+        plans = [first]
+        for k in range(2):
+            calibration._PRICED.clear()  # priced again from the trace, the calibration held
+            if k == 1:
+                calibration.forget()  # read from disk
+            plans.append(
+                planner.plan(model, x, BUDGET_GB, form="inplace", max_recompute_flops_fraction=0.5)
+            )
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD_PLAN, str(BUDGET_GB)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        ).stdout
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert {_fingerprint(p) for p in plans} == {_fingerprint(first)}
+    regions, peak, step_s = json.loads(out.strip().splitlines()[-1])
+    child = (tuple((n, k, d, tuple(s)) for n, k, d, s in regions), peak, step_s)
+    assert child == _fingerprint(first)
+
+
+def test_a_batch_sweep_prices_larger_batches_from_smaller_ones(cache, monkeypatch):
+    """In ``fit_batch`` (``calibration.batch_sweep``) a call whose counterpart at the smaller
+    batch took at least SCALE_MIN_S is priced at the ratio of their sizes times that instead
+    of being timed, then corrected by one factor per op (its largest call timed): every scaled
+    figure is exactly that multiple of a timed one, times its op's factor."""
+    seen: list[list] = []
+    timed = calibration._time_missing
+
+    def recording(cal, calls, device, scaled=None):
+        seen.append(list(calls))
+        return timed(cal, calls, device, scaled)
+
+    monkeypatch.setattr(calibration, "_time_missing", recording)
+    monkeypatch.setattr(calibration, "SCALE_MIN_S", 0.0)  # the tiny model's calls all scale
+    model, _ = _example()
+    fit = planner.fit_batch(model, lambda b: _example(b)[1], 1.0, batch_sizes=[2, 4], progress=0)
+    assert [r.batch_size for r in fit.rows] == [2, 4]
+    assert MEASUREMENTS["scaled"] > 0
+    held = next(iter(calibration._PROCESS.values()))
+    small, large = seen
+    # what the calibration held when the larger batch was priced: the smaller one's calls
+    before = dataclasses.replace(
+        held, op_times_s={c.key_text: held.op_times_s[c.key_text] for c in small}
+    )
+    scaled = calibration.scaled_times(before, small, large)
+    mm = [c for c in large if "aten.mm" in str(c.op) and c.key_text in scaled]
+    assert mm, "the matmuls on the batch's rows should scale"
+    factors: dict[str, set[float]] = {}
+    for s, big in zip(small, large):
+        if big.key_text in scaled:
+            assert scaled[big.key_text] == 2 * held.op_times_s[s.key_text]
+            # held: the scaled figure times one factor per op (its largest call timed)
+            factor = held.op_times_s[big.key_text] / scaled[big.key_text]
+            factors.setdefault(str(big.op), set()).add(round(factor, 9))
+    for op, found in factors.items():
+        # one factor for the op's calls, but its largest (timed: its own figure)
+        assert len(found) <= 2, (op, found)
+    # a weight's call (the same at both sizes) is the calibration's one figure, not scaled
+    assert all(s.key_text not in scaled for s in small)

@@ -281,8 +281,9 @@ def test_auto_holding_a_schedule_skips_dp_coarsest_level_on_a_staged_graph(monke
 def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypatch):
     """dp predicts a level's time from the last level's seconds per stage and does not start
     one that cannot finish in the time left (on a graph staged even at its finest level: in
-    STAGED_REFINE_SHARE of the limit): it answers with the level it has, and says so. On a
-    fake clock where every level costs 10 ms per stage."""
+    STAGED_REFINE_SHARE of the limit): it answers with the level it has, and says so. The
+    seconds are the work counted (``dp.WORK``, nominal seconds), here faked at 10 ms per
+    stage; the wall clock too, so the time limit itself is never reached."""
     import types
 
     import planner.solvers.dp as dp
@@ -290,7 +291,16 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
     graph = random_chain(random.Random(3), 600)
     budget = 0.6 * simulate(graph, Schedule()).peak_bytes
     clock = [0.0]
-    monkeypatch.setattr(dp, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0], process_time=lambda: clock[0])
+    monkeypatch.setattr(dp, "time", fake)
+
+    class FakeWork:
+        states = cells = 0
+
+        def nominal_s(self) -> float:
+            return clock[0]
+
+    monkeypatch.setattr(dp, "WORK", FakeWork())
     solve_level = dp._solve_within
 
     def timed(graph, budget_bytes, options, *args, **kwargs):

@@ -14,13 +14,16 @@ from planner.solvers.simulate import simulate
 from tests.solvers.test_objective import _chain_with_unrelated_times
 
 
-def test_shares_split_what_is_left_and_only_solves_spend_it():
+def test_shares_split_what_is_left_and_only_solves_work_spends_it():
     limit = SharedTimeLimit(10.0)
     assert limit.share_s(4) == pytest.approx(2.5)
     time.sleep(0.05)  # outside a solve: not charged
     assert limit.left_s == 10.0
     with limit.solving():
-        time.sleep(0.05)
+        time.sleep(0.05)  # waiting (another job has the core): not charged either
+        start = time.process_time()
+        while time.process_time() - start < 0.05:  # the solve's own work is
+            pass
     assert 9.9 < limit.left_s < 9.95 + 0.04
     assert limit.share_s(1) == pytest.approx(limit.left_s)
     limit.left_s = -1.0  # past the limit, a solve still gets a moment to answer
