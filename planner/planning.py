@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import torch
 
 from planner import hf_checkpointing
 from planner.calibration import Calibration, CalibrationTimer, model_dtype
+from planner.compiled import COMPILED_MARGIN, solve_compiled
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
 from planner.inplace import (
@@ -284,6 +285,7 @@ def plan(
     objective: Objective = "time",
     max_recompute_flops_fraction: float | None = None,
     calibration: Calibration | str | Path | None = None,
+    compiled: bool = False,
     **solver_opts: Any,
 ) -> Plan | InplacePlan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -325,6 +327,8 @@ def plan(
             "fsdp plans are applied in place before fully_shard (torchtitan's order); plan "
             "with planner.plan(..., form='inplace', fsdp=...)"
         )
+    if compiled and form != "inplace":
+        raise ValueError("compiled=True plans the in-place form; use form='inplace'")
     if form == "inplace":
         check_trainable(model)
         check_span_solver(solver)
@@ -332,11 +336,17 @@ def plan(
             model, example_input, loss_fn, device=device, fsdp=fsdp, calibration=calibration
         )
         start_s = time.perf_counter()
-        schedule = solve(
-            eg.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
-        )
+        if compiled:
+            schedule = solve_compiled(
+                eg.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, solver_opts
+            )
+        else:
+            schedule = solve(
+                eg.graph, budget_bytes, solver, objective, max_recompute_flops_fraction,
+                **solver_opts,
+            )  # fmt: skip
         solve_time_s = time.perf_counter() - start_s
-        return build_inplace_plan(
+        inplace = build_inplace_plan(
             model,
             eg,
             schedule,
@@ -344,6 +354,7 @@ def plan(
             solve_time_s=solve_time_s,
             example_input=example_input,
         )
+        return replace(inplace, compiled_margin=COMPILED_MARGIN) if compiled else inplace
     with hf_checkpointing.paused(model):  # priced as it runs under the plan
         priced = price(
             model, example_input, loss_fn=loss_fn, device=device, calibration=calibration

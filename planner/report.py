@@ -206,6 +206,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         + (f" + offload {format_ms(sim.offload_time_s)}" if sim.offload_bytes else "")
         + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
+    if getattr(plan, "compiled_margin", 0.0):  # plan(..., compiled=True): planner/compiled.py
+        lines.append(
+            f"for torch.compile: no nested regions (compile flattens them), planned within "
+            f"{format_bytes(plan.budget_bytes * (1 - plan.compiled_margin))}, the budget less "
+            f"a {plan.compiled_margin:.0%} margin for what compile adds to the eager prediction"
+        )
     if graph.meta.get("precision"):  # the dtypes it was priced in: plan as you train
         lines.append(f"priced in {graph.meta['precision']}")
     if plan.regions:
