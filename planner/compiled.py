@@ -18,7 +18,7 @@ What compile runs is not what eager runs, in two ways that matter for the budget
    just before its first use and may save other tensors than eager autograd does, and
    inductor fuses kernels, which holds a fused kernel's inputs until the kernel runs. Measured
    on flat plans (CPU, tiny Llama and GPT-2; BENCHMARKS.md "In-place plans under
-   torch.compile"), the compiled peak was 0.73-0.98x the eager prediction with ``aot_eager``
+   torch.compile"), the compiled peak was 0.73-0.96x the eager prediction with ``aot_eager``
    and per-block inductor, and up to 1.115x with whole-model inductor (Llama planned flat at
    50% of its eager peak: 1.015x with inductor's decompositions and partitioner but no
    inductor code, ``aot_eager_decomp_partition``; 0.929x with inductor's fusion off,
