@@ -3,13 +3,16 @@
 Tiny Hugging Face Llama (4 layers, width 64, grouped-query attention) and GPT-2 (4 layers,
 width 64), batch 4 x 64 tokens with one padded row, ``use_cache=False``, CPU, float32. Each is
 planned in place (``form="inplace"``, roofline prices ``device="cpu"``) at shares of its measured
-eager peak, applied to a copy, then ``torch.compile``-d whole with each backend. Every peak is
-one ``planner.measure`` step (eager rows: the live-storage tracker; compiled rows: the
-profiler's allocation events after one warm-up step, since a dispatch-mode tracker would make
-dynamo run eager). Graph breaks are dynamo's own counters for that compile.
+eager peak, as an eager plan and with ``compiled=True`` (``planner/compiled.py``), applied to a
+copy, then compiled whole (``torch.compile(model)``) or per block (``block.compile()`` on each
+decoder layer, in place) with each backend. Every peak is one ``planner.measure`` step (the
+eager column: the live-storage tracker; compiled: the profiler's allocation events of the
+third step, after two warm-up steps, since a dispatch-mode tracker would make dynamo run
+eager). Graph breaks are dynamo's own counters for that compile.
 
     python -m benchmarks.compiled_inplace                        # both models, 30/50/70%
-    python -m benchmarks.compiled_inplace --models llama --backends aot_eager --shares 0.5
+    python -m benchmarks.compiled_inplace --models llama --backends aot_eager --shares 0.5 \
+        --scopes whole --plans compiled
 """
 
 from __future__ import annotations
@@ -66,36 +69,62 @@ def tokens(length: int = SEQ, batch: int = BATCH, pad_last: int = SEQ // 8) -> d
 
 
 BUILDERS = {"llama": llama, "gpt2": gpt2}
+BLOCKS = {"llama": lambda m: m.model.layers, "gpt2": lambda m: m.transformer.h}
+SCOPES = ("whole", "block")
 
 
-def rows(name: str, shares: list[float], backends: list[str]) -> list[str]:
+def compiled_peak(
+    name: str, applied: nn.Module, x: dict, scope: str, backend: str
+) -> tuple[int, int]:
+    """(peak bytes of a steady-state compiled step, dynamo's graph breaks). ``applied`` is
+    compiled whole (``torch.compile``) or per block (``block.compile()``, in place: use a
+    copy)."""
+    torch._dynamo.reset()
+    counters.clear()
+    if scope == "whole":
+        compiled = torch.compile(applied, backend=backend)
+    else:
+        for block in BLOCKS[name](applied):
+            block.compile(backend=backend)
+        compiled = applied
+    # the profiler's allocation events (a dispatch-mode tracker would make dynamo run eager);
+    # the warm-up steps compile, the measured step runs the compiled code
+    m = planner.measure(compiled, x, warmup=2, method="profiler")
+    return m.peak_bytes, sum(counters["graph_break"].values())
+
+
+def rows(
+    name: str, shares: list[float], backends: list[str], scopes: list[str], kinds: list[str]
+) -> list[str]:
     model, x = BUILDERS[name](), tokens()
     eager_bytes = planner.measure(model, x).peak_bytes
     out = []
     for share in shares:
-        applied = copy.deepcopy(model)
-        try:
-            p = planner.plan(applied, x, eager_bytes * share / 1e9, form="inplace", device="cpu")
-        except planner.InfeasibleBudgetError as e:
-            out.append(f"| {name} | {share:.0%} | infeasible: least {e.min_bytes:,} B | |||||||")
-            print(out[-1], flush=True)
-            continue
-        p.apply(applied)
-        eager_measured = planner.measure(applied, x).peak_bytes
-        nested = any(r.depth for r in p.regions)
-        kinds = f"{sum(r.kind == 'selective' for r in p.regions)}/{len(p.regions)}"
-        for backend in backends:
-            torch._dynamo.reset()
-            counters.clear()
-            compiled = torch.compile(applied, backend=backend)
-            m = planner.measure(compiled, x, warmup=1)
-            breaks = sum(counters["graph_break"].values())
-            out.append(
-                f"| {name} | {share:.0%} | {p.budget_bytes:,} | {p.predicted_peak_bytes:,} | "
-                f"{eager_measured:,} | {kinds}{' nested' if nested else ''} | {backend} | "
-                f"{m.peak_bytes:,} | {m.peak_bytes / p.budget_bytes:.3f} | {breaks} |"
-            )
-            print(out[-1], flush=True)
+        for kind in kinds:
+            try:
+                p = planner.plan(
+                    model, x, eager_bytes * share / 1e9, form="inplace", device="cpu",
+                    compiled=kind == "compiled",
+                )  # fmt: skip
+            except planner.InfeasibleBudgetError as e:
+                least = f"{e.min_bytes:,} B, {e.min_bytes / eager_bytes:.1%} of eager"
+                out.append(f"| {name} | {share:.0%} | {kind} | infeasible: least {least} |")
+                print(out[-1], flush=True)
+                continue
+            nested = " nested" if any(r.depth for r in p.regions) else ""
+            regions = f"{sum(r.kind == 'selective' for r in p.regions)}/{len(p.regions)}{nested}"
+            eager_measured = planner.measure(p.apply(copy.deepcopy(model)), x).peak_bytes
+            for scope in scopes:
+                for backend in backends:
+                    applied = p.apply(copy.deepcopy(model))
+                    peak, breaks = compiled_peak(name, applied, x, scope, backend)
+                    out.append(
+                        f"| {name} | {share:.0%} | {kind} | {p.budget_bytes:,} | "
+                        f"{p.predicted_peak_bytes:,} | {eager_measured:,} | {regions} | {scope} | "
+                        f"{backend} | {peak:,} | {peak / p.budget_bytes:.3f} | "
+                        f"{peak / p.predicted_peak_bytes:.3f} | {breaks} |"
+                    )
+                    print(out[-1], flush=True)
     return out
 
 
@@ -104,14 +133,23 @@ def main() -> None:
     parser.add_argument("--models", default="llama,gpt2")
     parser.add_argument("--backends", default="aot_eager,inductor")
     parser.add_argument("--shares", default="0.3,0.5,0.7")
+    parser.add_argument("--scopes", default=",".join(SCOPES))
+    parser.add_argument("--plans", default="eager,compiled", help="plan(compiled=False/True)")
     args = parser.parse_args()
     print(
-        "| model | budget (share of eager) | budget B | predicted B | measured eager B | "
-        "selective/regions | backend | measured compiled B | compiled / budget | graph breaks |"
+        "| model | budget (share of eager) | plan | budget B | predicted B | measured eager B | "
+        "selective/regions | compiled | backend | measured compiled B | compiled / budget | "
+        "compiled / predicted | graph breaks |"
     )
-    print("|---|---|---:|---:|---:|---|---|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|")
     for name in args.models.split(","):
-        rows(name, [float(s) for s in args.shares.split(",")], args.backends.split(","))
+        rows(
+            name,
+            [float(s) for s in args.shares.split(",")],
+            args.backends.split(","),
+            args.scopes.split(","),
+            args.plans.split(","),
+        )
 
 
 if __name__ == "__main__":

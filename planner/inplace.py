@@ -134,11 +134,15 @@ _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 # wrapper: blocks planned alike share one key, so torch.compile per block compiles them once
 # (a key per wrapper would fail dynamo's guard on each block: a recompile each, up to dynamo's
 # recompile limit, past which it runs eager).
-_TRACED: defaultdict[int, weakref.WeakSet[_RegionForward]] = defaultdict(weakref.WeakSet)
-_TRACED_KEYS: dict[tuple[tuple[str, ...], tuple[CheckpointPolicy, ...]], int] = {}
+# A str key, not an int: dynamo guards on an int attribute that differs between calls (blocks
+# planned differently, compiled per block) by making it a SymInt on the recompile, which
+# context_fn cannot hold ("Failed to convert SymNodeVariable() into a Python constant": a graph
+# break per such block, tiny GPT-2 at 50%); a str stays a constant.
+_TRACED: defaultdict[str, weakref.WeakSet[_RegionForward]] = defaultdict(weakref.WeakSet)
+_TRACED_KEYS: dict[tuple[tuple[str, ...], tuple[CheckpointPolicy, ...]], str] = {}
 
 
-def _traced_contexts(key: int) -> Any:
+def _traced_contexts(key: str) -> Any:
     """A selective region's checkpoint contexts, as torch.compile builds them: dynamo keeps this
     function and ``key`` as constants, AOT autograd calls it while it traces the region."""
     wrapper = next(iter(_TRACED[key]))  # alive: dynamo is tracing one
@@ -219,7 +223,9 @@ class _RegionForward(ForwardWrapper):
 
     def register(self) -> None:
         """Give this wrapper's decisions the key a traced context function names them by."""
-        self.key = _TRACED_KEYS.setdefault((self.region.ops, self.decisions), len(_TRACED_KEYS))
+        self.key = _TRACED_KEYS.setdefault(
+            (self.region.ops, self.decisions), f"planner-region-{len(_TRACED_KEYS)}"
+        )
         _TRACED[self.key].add(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

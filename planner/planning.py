@@ -114,6 +114,7 @@ class PlanOptions:
     calibration: Calibration | str | Path | None = None
     objective: Objective = "time"
     max_recompute_flops_fraction: float | None = None
+    compiled: bool = False
 
     def checked(self, solvers: Sequence[str] = ("auto",)) -> PlanOptions:
         """These options, checked before the slow part (:func:`check_form_options`) for
@@ -121,6 +122,8 @@ class PlanOptions:
         profile = check_form_options(
             self.form, solvers, objective=self.objective, device=self.device, fsdp=self.fsdp
         )
+        if self.compiled and self.form != "inplace":
+            raise ValueError("compiled=True plans the in-place form; use form='inplace'")
         return replace(self, device=profile)
 
     def price(
@@ -144,6 +147,7 @@ class PlanOptions:
         return {
             "objective": self.objective,
             "max_recompute_flops_fraction": self.max_recompute_flops_fraction,
+            "compiled": self.compiled,
         }
 
 
@@ -192,6 +196,7 @@ def plan(
     max_recompute_flops_fraction: float | None = None,
     calibration: Calibration | str | Path | None = None,
     autocast: torch.dtype | None = None,
+    compiled: bool = False,
     **solver_opts: Any,
 ) -> Plan:
     """Plan activation checkpointing for ``model`` so one training step fits the budget.
@@ -225,6 +230,9 @@ def plan(
     ``torch.float16``): the step is priced as inside ``torch.autocast(<the model's device
     type>, dtype=autocast)``, as when ``plan`` is called inside that context (None: the
     caller's context, if any).
+    ``compiled``: the model will run under ``torch.compile``: plan without nested regions
+    (compile flattens them) against the budget less ``planner.compiled.COMPILED_MARGIN``, which
+    the summary states (``planner/compiled.py`` says why; in place only).
     """
     if autocast is not None:
         with autocast_for(model, autocast):
@@ -240,11 +248,12 @@ def plan(
                 objective=objective,
                 max_recompute_flops_fraction=max_recompute_flops_fraction,
                 calibration=calibration,
+                compiled=compiled,
                 **solver_opts,
             )
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     options = PlanOptions(
-        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction
+        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction, compiled
     ).checked((solver,))  # fail on an unknown form, solver or option before the slow part
     priced = options.price(model, example_input)
     return priced.plan(budget_bytes, solver, **options.solving, **solver_opts)

@@ -128,6 +128,9 @@ class Plan:
     predictions: Predictions
     target: Target
     notes: str = ""  # what the solver said of its schedule
+    # plan(..., compiled=True): solved flat against budget_bytes * (1 - compiled_margin)
+    # (planner/compiled.py); 0.0 for an eager plan and for a plan read from a file
+    compiled_margin: float = field(default=0.0, repr=False)
     solve_time_s: float = field(default=0.0, repr=False)  # 0 for a plan read from a file
     graph: CostGraph | None = field(default=None, repr=False, compare=False)
     schedule: Schedule | None = field(default=None, repr=False, compare=False)

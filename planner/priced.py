@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from planner.calibration import Calibration, CalibrationTimer, model_dtype
+from planner.compiled import COMPILED_MARGIN, solve_compiled
 from planner.devices import DeviceProfile
 from planner.measurement import measured_step_time
 from planner.passes.step import LossFn
@@ -118,17 +120,28 @@ class Priced:
         *,
         objective: Objective = "time",
         max_recompute_flops_fraction: float | None = None,
+        compiled: bool = False,
         **solver_opts: Any,
     ) -> Schedule:
         """Step 3: the schedule ``solver`` chooses for ``budget_bytes``, minimising
         ``objective`` (``"time"`` or ``"flops"``, see ``graph_for_objective``), recomputing at
         most ``max_recompute_flops_fraction`` of the step's FLOPs if given (see
-        ``planner.plan``).
+        ``planner.plan``); ``compiled``: flat and within the budget less the stated margin
+        (``planner/compiled.py``).
 
         ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
         error to raise).
         """
         self.check_solver(solver)
+        if compiled:
+            return solve_compiled(
+                self.graph,
+                budget_bytes,
+                solver,
+                objective,
+                max_recompute_flops_fraction,
+                solver_opts,
+            )
         return solve(
             self.graph, budget_bytes, solver, objective, max_recompute_flops_fraction, **solver_opts
         )
@@ -144,6 +157,7 @@ class Priced:
         *,
         objective: Objective = "time",
         max_recompute_flops_fraction: float | None = None,
+        compiled: bool = False,
         on_step: OnStep = _no_progress,
         **solver_opts: Any,
     ) -> Plan:
@@ -155,8 +169,10 @@ class Priced:
             solver,
             objective=objective,
             max_recompute_flops_fraction=max_recompute_flops_fraction,
+            compiled=compiled,
             **solver_opts,
         )
         solve_time_s = time.perf_counter() - t0
         on_step("build")
-        return self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
+        built = self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
+        return replace(built, compiled_margin=COMPILED_MARGIN) if compiled else built

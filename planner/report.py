@@ -222,6 +222,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         + (f" + offload {format_ms(sim.offload_time_s)}" if sim.offload_bytes else "")
         + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
+    if plan.compiled_margin:  # plan(..., compiled=True): planner/compiled.py
+        lines.append(
+            f"for torch.compile: no nested regions (compile flattens them), planned within "
+            f"{format_bytes(plan.budget_bytes * (1 - plan.compiled_margin))}, the budget less "
+            f"a {plan.compiled_margin:.0%} margin for what compile adds to the eager prediction"
+        )
     others = plan.predictions.others()  # predictions with no line of their own above
     if others:
         lines.append(
