@@ -67,6 +67,15 @@ def known_cause(p: Point) -> str | None:
     report then says what the point itself shows (nested regions, the no-checkpoint prediction
     off, MemTracker disagreeing)."""
     under_bytes = p.measured_bytes - p.predicted_bytes
+    if p.failure.startswith("InfeasibleBudgetError") and p.model == "t5" and p.form == "inplace":
+        return (
+            "dp on T5's 582-node in-place graph states its least feasible budget at once when "
+            "asked for 1 B (1,678,344 B), but at that budget and up to 59% of eager it spent its "
+            "own 60 s time limit (machine at load ~13) before any level fitted (re-run alone at "
+            "29%: infeasible after 51 s, both objectives, least feasible unknown; auto's "
+            "time_limit_s=300 does not raise dp's own limit); auto then states the "
+            "no-checkpoint peak as the least feasible budget, which misleads"
+        )
     if p.failure.startswith("InfeasibleBudgetError") and p.form == "graph":
         return (
             "the least feasible budget auto stated (solving at 1 B) was not reached by the next "
@@ -87,7 +96,14 @@ def known_cause(p: Point) -> str | None:
             + "; simulate's recompute rules (budget worktree)"
         )
     if p.model == "gpt_neox" and p.form == "graph" and p.error > 0:
-        return "over-predicted (safe side), not investigated"
+        return (
+            "over-predicted (safe side): greedy's plan has 6 regions whose nodes save nothing "
+            "for backward (a dropout(p=0) and two adds; a reshape, transpose, contiguous), so "
+            "their checkpoint leaves no frame (simulate's Rule 12) and holds none of its "
+            "arguments; simulate's Rule 2 still keeps their arguments to each region's "
+            "backward (6 x 32,768 B + 512 B at the forward's end). Priced without those holds "
+            "the plan is exact (732,808 B); a fix in simulate, dp and ilp, not made here"
+        )
     return None
 
 
