@@ -463,6 +463,14 @@ def report(points: list[Point], command: str, seconds: float, env: str) -> str:
                 f"{f'{least:.2f}' if least is not None else '-'} | "
                 f"{_pct(grid[0].eager_error) if grid else '-'} |"
             )
+    lines += [
+        "",
+        "The last column compares the no-checkpoint prediction with the model's own eager "
+        "peak. In place that is what runs; the graph form runs the exported graph, which can "
+        "hold more than eager (transformers builds the SDPA mask under export, export inlines "
+        "custom autograd.Functions such as Bloom's GeLU), so its points are measured on the "
+        "GraphModule it runs and its column shows export's cost, not an error.",
+    ]
     lines += ["", "Every point that misses:", ""]
     if not misses:
         lines.append("None.")
