@@ -38,8 +38,10 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
+from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.forward_wrapper import ForwardWrapper
@@ -225,6 +227,26 @@ def _recording_calls(model: torch.nn.Module, tracker: _OpTracker) -> Iterator[di
             recorder.uninstall(module)
 
 
+class _AllOnes(TorchFunctionMode):
+    """Remembers the tensors made while it is active that hold only ones, values a fake tensor
+    cannot show: ``torch.ones`` and the like, and casts, views and selections of them."""
+
+    MAKE = (torch.ones, torch.ones_like, torch.Tensor.new_ones)
+    KEEP = (torch.Tensor.to, torch.Tensor.bool, torch.Tensor.__getitem__, torch.Tensor.view,
+            torch.Tensor.reshape, torch.Tensor.expand)  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weak: pricing sees every free
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        made = func in self.MAKE or (func in self.KEEP and args[0] in self.made)
+        if made and isinstance(out, torch.Tensor):
+            self.made[out] = True
+        return out
+
+
 @contextmanager
 def _mask_decisions_as_eager(kwargs: dict[str, Any]) -> Iterator[None]:
     """Let transformers take the attention path eager takes, which it decides from values.
@@ -242,9 +264,13 @@ def _mask_decisions_as_eager(kwargs: dict[str, Any]) -> Iterator[None]:
     - a padding mask the caller passed (keys naming a ``mask``): every one all ones means no
       token is masked, as eager sees it.
 
-    A padding mask the model makes itself (Bart's decoder makes one of ones) is left to
-    transformers' fake-tensor answer: a mask, on the safe side. Nothing changes if transformers
-    was not imported or lacks these functions.
+    - a padding mask the model makes itself: all ones when it is ``torch.ones`` or a cast, view
+      or selection of it (Bart's decoder makes one when called without a decoder mask, and eager
+      then takes the unmasked path; priced masked, a selective region's op keys no longer
+      matched eager's ops and plans were over-predicted by up to 17%). Any other mask the model
+      makes is left to transformers' fake-tensor answer: a mask, on the safe side.
+
+    Nothing changes if transformers was not imported or lacks these functions.
     """
     import sys
 
@@ -265,9 +291,11 @@ def _mask_decisions_as_eager(kwargs: dict[str, Any]) -> Iterator[None]:
             return None
         return originals["find_packed_sequence_indices"](position_ids)
 
+    ones = _AllOnes()
+
     def ignore_mask(name: str) -> Callable[..., bool]:
         def ignore(padding_mask: Any, *args: Any, **kw: Any) -> bool:
-            if isinstance(padding_mask, FakeTensor) and unmasked:
+            if isinstance(padding_mask, FakeTensor) and (unmasked or padding_mask in ones.made):
                 padding_mask = None
             return originals[name](padding_mask, *args, **kw)
 
@@ -280,7 +308,8 @@ def _mask_decisions_as_eager(kwargs: dict[str, Any]) -> Iterator[None]:
     try:
         for n, f in patched.items():
             setattr(mu, n, f)
-        yield
+        with ones:
+            yield
     finally:
         for n, f in originals.items():
             setattr(mu, n, f)

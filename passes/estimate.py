@@ -70,6 +70,12 @@ class _Step(fx.Interpreter):
         fake_mode: FakeTensorMode,
     ):
         super().__init__(gm)
+        # fx.Interpreter frees a value after its last user, so one with no user (an unused
+        # select export leaves behind) stayed in its env to the end, holding the storage it
+        # views; the GraphModule's own code frees it at once (fx codegen), as here.
+        for node in gm.graph.nodes:
+            if not node.users and node.op != "output":
+                self.user_to_last_uses.setdefault(node, []).append(node)
         self.tracker = tracker
         self.fake_mode = fake_mode
         self.constants: dict[str, torch.Tensor] = {}

@@ -3,7 +3,8 @@
 Several architectures (a CNN with BatchNorm and in-place ReLU, ``nn.TransformerEncoder``, a
 Hugging Face Llama with a padded attention mask, a Mistral called without one) x budgets from the
 least feasible (what ``InfeasibleBudgetError`` states) through the middle to eager x objectives
-time and flops x both forms (the graph form on the two plain torch models). Every point is
+time and flops x both forms (the graph form on the two plain torch models), and ``fit_batch``
+at both batch sizes of the sweep on the CNN in both forms. Every point is
 planned with the CPU roofline profile, carried out and measured with ``planner.measure`` and with
 torch's ``MemTracker``: measured <= budget and |predicted - measured| <= 1% of measured, by both.
 A point marked xfail(strict) misses today for the reason it states; the mark goes when the fix
@@ -15,7 +16,15 @@ from __future__ import annotations
 import pytest
 
 import planner
-from benchmarks.conformance import TOLERANCE, _measured, _plan_key, _Priced, budgets
+from benchmarks.conformance import (
+    FIT_BATCH_SIZES,
+    TOLERANCE,
+    _measured,
+    _plan_key,
+    _Priced,
+    budgets,
+    sweep_fit_batch,
+)
 from benchmarks.conformance_models import ZOO
 from tests.helpers import assert_same_step_copy
 
@@ -83,6 +92,17 @@ def test_measured_within_budget_and_predicted_within_1_percent(model, form, k, o
         assert abs(error) <= TOLERANCE, (
             f"{name}: predicted {p.predicted_peak_bytes} B, measured {m} B ({error:+.2%})"
         )
+
+
+@pytest.mark.parametrize("form", ["inplace", "graph"])
+def test_fit_batch_plans_hold_their_cap_at_both_batch_sizes(form):
+    points = sweep_fit_batch("cnn", forms=(form,))
+    assert sorted(p.batch for p in points) == sorted(FIT_BATCH_SIZES)  # both sizes planned
+    for p in points:
+        assert not p.failure, p.failure
+        assert p.memtracker_bytes > 0
+        assert not p.over_budget, f"batch {p.batch}: {p.measurements} B over {p.budget_bytes} B"
+        assert abs(p.error) <= TOLERANCE, f"batch {p.batch}: {p.predicted_bytes} B, {p.error:+.2%}"
 
 
 def test_least_feasible_budget_is_what_infeasible_budget_error_states():
