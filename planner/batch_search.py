@@ -209,6 +209,8 @@ def fit_batch(
     max_recompute_flops_fraction: float | None = None,
     fsdp: FSDPConfig | None = None,
     calibration: Calibration | str | Path | None = None,
+    compiled: bool = False,
+    autocast: torch.dtype | None = None,
     progress: bool = True,
     **solver_opts: Any,
 ) -> BatchFit:
@@ -223,7 +225,7 @@ def fit_batch(
     ``fit.plan.apply(model)``) or "graph" (train ``fit.plan.module``). ``objective``,
     ``max_recompute_flops_fraction``, ``fsdp`` (in place only; ``make_input`` then returns one
     rank's micro-batch) and ``solver_opts``: as for ``planner.plan``, for every batch size.
-    ``calibration``: as for
+    ``compiled``, ``autocast``: as for ``planner.plan``. ``calibration``: as for
     ``planner.plan``: pin the device calibration every size is priced with. ``time_limit_s``
     (in ``solver_opts``): one limit for all the sizes' solves together (default the solver's
     own), each size taking an equal share of what is left. ``progress``: a progress bar (shown
@@ -235,7 +237,15 @@ def fit_batch(
     cap_bytes = budget_bytes_from_gb(mem_budget_gb)
     # fail on an unknown solver or option before the slow part
     options = PlanOptions(
-        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction
+        form,
+        loss_fn,
+        device,
+        fsdp,
+        calibration,
+        objective,
+        max_recompute_flops_fraction,
+        compiled,
+        autocast,
     ).checked([solver])
     sweep = batch_sizes is None
     sizes = list(doubling(1, max_batch_size)) if sweep else sorted(set(batch_sizes or ()))

@@ -257,6 +257,8 @@ def compare(
     progress: bool = False,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     calibration: Calibration | str | Path | None = None,
+    compiled: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Comparison:
     """Run every solver at every budget on one pricing of ``model``; one row each.
 
@@ -276,12 +278,20 @@ def compare(
     ``progress``: show a progress bar (only once a step takes more than half a second).
     ``time_limit_s``: one limit for all the solves together, each taking an equal share of what
     is left (a solver's own ``time_limit_s`` in ``solver_opts`` caps its share further).
-    ``calibration``: as for ``planner.plan``.
+    ``calibration``, ``compiled``, ``autocast``: as for ``planner.plan``.
     """
     names = list(solvers) if solvers is not None else solver_names(form)
     # unknown names, options and solvers that do not suit the form fail before the work
     options = PlanOptions(
-        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction
+        form,
+        loss_fn,
+        device,
+        fsdp,
+        calibration,
+        objective,
+        max_recompute_flops_fraction,
+        compiled,
+        autocast,
     ).checked(names)
     if fsdp is not None and measure:
         raise ValueError(

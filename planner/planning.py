@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,7 @@ class PlanOptions:
     objective: Objective = "time"
     max_recompute_flops_fraction: float | None = None
     compiled: bool = False
+    autocast: torch.dtype | None = None  # priced under torch.autocast in this dtype
 
     def checked(self, solvers: Sequence[str] = ("auto",)) -> PlanOptions:
         """These options, checked before the slow part (:func:`check_form_options`) for
@@ -129,17 +131,20 @@ class PlanOptions:
     def price(
         self, model: torch.nn.Module, example_input: Any, on_step: OnStep = _no_progress
     ) -> PricedGraph | PricedInplace:
-        """Steps 1 and 2 (:func:`price_form`) with these options."""
-        return price_form(
-            model,
-            example_input,
-            self.form,
-            loss_fn=self.loss_fn,
-            device=self.device,
-            fsdp=self.fsdp,
-            on_step=on_step,
-            calibration=self.calibration,
-        )
+        """Steps 1 and 2 (:func:`price_form`) with these options, under ``autocast`` if set
+        (only pricing runs the model; the solve and the build are dtype-blind)."""
+        amp = nullcontext() if self.autocast is None else autocast_for(model, self.autocast)
+        with amp:
+            return price_form(
+                model,
+                example_input,
+                self.form,
+                loss_fn=self.loss_fn,
+                device=self.device,
+                fsdp=self.fsdp,
+                on_step=on_step,
+                calibration=self.calibration,
+            )
 
     @property
     def solving(self) -> dict[str, Any]:
@@ -234,26 +239,17 @@ def plan(
     (compile flattens them) against the budget less ``planner.compiled.COMPILED_MARGIN``, which
     the summary states (``planner/compiled.py`` says why; in place only).
     """
-    if autocast is not None:
-        with autocast_for(model, autocast):
-            return plan(
-                model,
-                example_input,
-                mem_budget_gb,
-                solver,
-                loss_fn=loss_fn,
-                form=form,
-                device=device,
-                fsdp=fsdp,
-                objective=objective,
-                max_recompute_flops_fraction=max_recompute_flops_fraction,
-                calibration=calibration,
-                compiled=compiled,
-                **solver_opts,
-            )
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     options = PlanOptions(
-        form, loss_fn, device, fsdp, calibration, objective, max_recompute_flops_fraction, compiled
+        form,
+        loss_fn,
+        device,
+        fsdp,
+        calibration,
+        objective,
+        max_recompute_flops_fraction,
+        compiled,
+        autocast,
     ).checked((solver,))  # fail on an unknown form, solver or option before the slow part
     priced = options.price(model, example_input)
     return priced.plan(budget_bytes, solver, **options.solving, **solver_opts)

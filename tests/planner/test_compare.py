@@ -497,3 +497,43 @@ def test_compare_and_fit_batch_plan_one_fsdp_rank_as_plan_does():
     )
     assert fit.plan.predicted_peak_bytes == api.predicted_peak_bytes
     assert fit.rows[0].eager_peak_bytes == c.eager_predicted_peak_bytes
+
+
+def test_compare_and_fit_batch_take_compiled_and_autocast_as_plan_does():
+    """``compiled`` and ``autocast`` reach every entry point through the one PlanOptions: the
+    row compare makes and the plan fit_batch picks are the plans ``plan`` makes with them."""
+    import torch
+
+    import planner.comparison as compare_module
+    from benchmarks.models import gpt_ref_small_for_batch
+
+    model, example_input = gpt_ref_small_example()
+    kw = dict(device="h100", compiled=True, autocast=torch.bfloat16)
+    with pytest.raises(planner.InfeasibleBudgetError) as least:
+        planner.plan(model, example_input, 1e-9, **kw)
+    api = planner.plan(model, example_input, 1.02 * least.value.min_bytes / 1e9, **kw)
+    assert api.compiled_margin > 0 and not any(r.depth for r in api.regions)
+    assert "bfloat16" in api.summary()
+    compared = compare_module.compare(
+        model, example_input, budgets_gb=[api.budget_bytes / 1e9], solvers=["dp"], **kw
+    )
+    row = compared.rows[0]
+    assert row.predicted_peak_bytes == api.predicted_peak_bytes
+    assert compared.plans[("dp", row.budget_bytes)].schedule.note.startswith("compiled:")
+    plain = compare_module.compare(
+        model, example_input, budgets_gb=[api.budget_bytes / 1e9], solvers=["dp"], device="h100"
+    )
+    assert plain.rows[0].predicted_peak_bytes != row.predicted_peak_bytes
+
+    fit = planner.fit_batch(
+        model,
+        lambda b: gpt_ref_small_for_batch(b)[1],
+        api.budget_bytes / 1e9,
+        batch_sizes=[2],
+        solver="dp",
+        **kw,
+    )
+    assert fit.plan.predicted_peak_bytes == api.predicted_peak_bytes
+    assert fit.plan.compiled_margin == api.compiled_margin
+    with pytest.raises(ValueError, match="compiled=True plans the in-place form"):
+        compare_module.compare(model, example_input, [1.0], form="graph", compiled=True)
