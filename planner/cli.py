@@ -14,6 +14,7 @@ usage errors answer at once (no import cycle hides behind them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -325,13 +326,21 @@ def profile_name(device: str) -> str | None:
 
 
 def planning_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options ``planner.plan`` takes that every model command shares."""
+    """The options of ``planner.plan``'s solve that every model command shares."""
     return dict(
         objective=args.objective,
         max_recompute_flops_fraction=(
             None if args.max_recompute_flops is None else args.max_recompute_flops / 100
         ),
+        compiled=args.compiled,
     )
+
+
+def autocast_dtype(args: argparse.Namespace) -> Any:
+    """--autocast as the torch dtype ``planner.plan(..., autocast=)`` takes (None: off)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
 
 
 def solver_options(args: argparse.Namespace, solvers: Sequence[str]) -> dict[str, Any]:
@@ -408,6 +417,7 @@ def _console() -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from planner.passes.step import autocast_for
     from planner.planning import check_form_options, price_form
 
     kind, value = parse_budget(args.budget)
@@ -420,7 +430,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = solver_options(args, [args.solver])
     profile = profile_name(args.device)
     placement(args.device)  # a device that is neither fails before the model is built
-    check_form_options(args.form, device=profile, objective=args.objective)
+    check_form_options(args.form, device=profile, objective=args.objective, compiled=args.compiled)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)
     with tqdm(total=4, desc="capture", unit="step", delay=0.5, disable=args.quiet) as bar:
@@ -430,9 +440,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 bar.update()
             bar.set_description(step if step != "solve" else f"solve ({args.solver})")
 
-        priced = price_form(
-            model, example_input, args.form, loss_fn=loss_fn, device=profile, on_step=on_step
-        )
+        amp = autocast_dtype(args)
+        with contextlib.nullcontext() if amp is None else autocast_for(model, amp):
+            priced = price_form(
+                model, example_input, args.form, loss_fn=loss_fn, device=profile, on_step=on_step
+            )
         budget_bytes = (
             round(value * priced.eager_peak_bytes) if kind == "fraction" else round(value)
         )
@@ -522,7 +534,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     opts = solver_options(args, names)
     profile = profile_name(args.device)
     placement(args.device)  # a device that is neither fails before the model is built
-    check_form_options(args.form, device=profile, objective=args.objective)
+    check_form_options(args.form, device=profile, objective=args.objective, compiled=args.compiled)
     loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     model, example_input = build_example(args)
     c = compare(
@@ -537,6 +549,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         device=profile,
         solver_opts=opts,
         progress=not args.quiet,
+        autocast=autocast_dtype(args),
         **planning_options(args),
     )
     out = _console()
@@ -616,6 +629,7 @@ def cmd_fit_batch(args: argparse.Namespace) -> int:
         device=profile,
         loss_fn=loss_fn,
         form=args.form,
+        autocast=autocast_dtype(args),
         **planning_options(args),
         **opts,
     )
@@ -764,6 +778,17 @@ def _planning_arguments(sub: argparse.ArgumentParser, solvers_flag: str = "--sol
         metavar="PERCENT",
         help="recompute at most this percentage of the step's FLOPs (0.5: half a percent), "
         "the fastest such plan",
+    )
+    group.add_argument(
+        "--compiled",
+        action="store_true",
+        help="the model will run under torch.compile: plan without nested regions, within the "
+        "budget less a stated margin (in place only)",
+    )
+    group.add_argument(
+        "--autocast",
+        choices=("bf16", "fp16"),
+        help="price the step under torch.autocast in this dtype, as you train (default: off)",
     )
     group.add_argument(
         "--solver-opts",

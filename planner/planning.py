@@ -83,8 +83,11 @@ def check_form_options(
     objective: Objective = "time",
     device: str | DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
+    compiled: bool = False,
 ) -> DeviceProfile | None:
     """The checks every entry point makes before the slow part; returns the device profile."""
+    if compiled and form != "inplace":
+        raise ValueError("compiled=True plans the in-place form; use form='inplace'")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     check_objective(objective)
@@ -122,10 +125,13 @@ class PlanOptions:
         """These options, checked before the slow part (:func:`check_form_options`) for
         ``solvers``, the device resolved to its profile."""
         profile = check_form_options(
-            self.form, solvers, objective=self.objective, device=self.device, fsdp=self.fsdp
+            self.form,
+            solvers,
+            objective=self.objective,
+            device=self.device,
+            fsdp=self.fsdp,
+            compiled=self.compiled,
         )
-        if self.compiled and self.form != "inplace":
-            raise ValueError("compiled=True plans the in-place form; use form='inplace'")
         return replace(self, device=profile)
 
     def price(

@@ -563,3 +563,27 @@ def test_solvers_are_listed_whole_with_the_forms_they_apply_to(capsys):
         forms = "in place or graph" if name in SPAN_SOLVERS else "graph form only"
         assert f"{name} {description} [{forms}]" in text
     assert sum(1 for line in lines if not line.startswith(" ")) == len(solver_names()) + 1
+
+
+def test_plan_for_compile_and_autocast_as_the_api_plans(capsys):
+    """--compiled and --autocast are plan's compiled= and autocast=: the same plan, said in the
+    summary; --compiled with --form graph exits 2 naming the fix."""
+    budget = "99%"
+    argv = ["plan", GPT, "--budget", budget, "--device", "h100", "--solver", "dp", "-q"]
+    assert main([*argv, "--compiled", "--autocast", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "for torch.compile" in out and "bfloat16" in out
+    model, example_input = gpt_ref_small_example()
+    eager = planner.plan(model, example_input, 1e3, device="h100", autocast=torch.bfloat16)
+    api = planner.plan(
+        model,
+        example_input,
+        round(0.99 * eager.baseline_peak_bytes) / 1e9,
+        "dp",
+        device="h100",
+        compiled=True,
+        autocast=torch.bfloat16,
+    )
+    assert f"predicted peak {format_bytes(api.predicted_peak_bytes)}" in flat(out)
+    assert main([*argv, "--compiled", "--form", "graph"]) == 2
+    assert "compiled=True plans the in-place form" in capsys.readouterr().err
