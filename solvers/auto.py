@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from planner.solvers.basic import UniformOptions
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.dp import LEVEL_GROWTH, DPOptions, is_staged
-from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.errors import InfeasibleBudgetError, size_text
 from planner.solvers.greedy import GreedyOptions
 from planner.solvers.ilp import ILPOptions
 from planner.solvers.registry import (
@@ -71,6 +71,7 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
         names.append("ilp")
     found: list[tuple[float, int, str, Schedule]] = []
     least: int | None = None
+    unknown: list[str] = []  # cut short before they knew the least they reach
     cut_short: list[str] = []
     for k, name in enumerate(names):
         left_s = deadline - time.perf_counter()
@@ -94,6 +95,8 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
         except InfeasibleBudgetError as e:
             if e.min_bytes is not None:  # None: cut short before it knew
                 least = e.min_bytes if least is None else min(least, e.min_bytes)
+            elif name != "none":
+                unknown.append(name)
             if time.perf_counter() - started >= own.time_limit_s:
                 cut_short.append(f"{name}: nothing within budget in its {time_limit_text(own)}")
             continue
@@ -105,6 +108,13 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
         found.append((sim.step_time_s, sim.peak_bytes, name, schedule))
         if name == "none":
             break  # the eager step fits: nothing beats no recomputation
+    if not found and unknown:
+        # the others' least is no least: the solver cut short may reach below it (T5 in place:
+        # dp out of time at 29-59% of eager, 'none' naming the eager peak as the least)
+        reached = "" if least is None else f"; the others reach no lower than {size_text(least)}"
+        raise InfeasibleBudgetError(
+            budget_bytes, None, f"(solver 'auto': {', '.join(unknown)} cut short{reached})"
+        )
     if not found:
         raise InfeasibleBudgetError(budget_bytes, least, "(solver 'auto')")
     found.sort(key=lambda f: (f[0], f[1]))

@@ -115,3 +115,32 @@ def test_solvers_that_ignore_spans_refuse_clearly(name):
         pass  # nothing within budget to place anywhere
     else:
         assert all((r.start, r.stop) in graph.region_spans for r in got.regions)
+
+
+def test_auto_cut_short_names_no_least_it_does_not_know(monkeypatch):
+    """On a module-granular graph, auto's solvers below the eager peak are dp and ilp: when
+    they are cut short before they know, 'none' alone would name the eager peak as the least
+    feasible budget, though a schedule below it exists (T5 in place: dp out of time at 29-59%
+    of eager). The error says no solver finished, and what the others reached."""
+    import planner.solvers.auto as auto
+
+    rng = random.Random(0)
+    graph = random_chain(rng, 12)
+    spans = frozenset((i, j) for i in range(12) for j in range(i + 1, 13))
+    graph = dataclasses.replace(graph, region_spans=spans)
+    eager = simulate(graph, Schedule()).peak_bytes
+    in_time = auto.solve_auto(graph, eager - 1, auto.AutoOptions())
+    assert simulate(graph, in_time).peak_bytes < eager - 1  # a fit below the eager peak exists
+
+    def cut_short(graph, budget_bytes, options):  # as dp and ilp raise when out of time
+        raise InfeasibleBudgetError(budget_bytes, None, "(cut short)")
+
+    real = auto.get_solver
+    monkeypatch.setattr(
+        auto, "get_solver", lambda name: real(name) if name == "none" else cut_short
+    )
+    with pytest.raises(InfeasibleBudgetError, match="dp, ilp cut short") as cut:
+        auto.solve_auto(graph, eager - 1, auto.AutoOptions())
+    assert cut.value.min_bytes is None
+    assert "no solver finished in time" in str(cut.value)
+    assert f"the others reach no lower than {eager} bytes" in str(cut.value)
