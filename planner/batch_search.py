@@ -63,6 +63,8 @@ class BatchRow:
     eager_peak_bytes: int
     eager_step_time_s: float
     eager_samples_per_s: float
+    # no fit and no least known: the solver ran out of time before it knew (least_bytes None)
+    cut_short: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,11 @@ class BatchFit:
                 ]
             else:
                 why = (
-                    "over the FLOPs cap"
-                    if r.least_bytes is None
-                    else f"least {format_bytes(r.least_bytes)}"
+                    f"least {format_bytes(r.least_bytes)}"
+                    if r.least_bytes is not None
+                    else "solver out of time"
+                    if r.cut_short
+                    else "over the FLOPs cap"
                 )
                 planned = [f"no fit: {why}", "-", "-", "-", "-"]
             mark = " *" if r.batch_size == self.best_batch_size else ""
@@ -288,7 +292,22 @@ def fit_batch(
                         **{**solver_opts, "time_limit_s": limit.share_s(shares)},
                     )
             except InfeasibleBudgetError as e:
-                rows.append(BatchRow(b, False, None, None, None, None, None, e.min_bytes, **eager))
+                # min_bytes None: the solver ran out of time before it knew the least
+                cut_short = e.min_bytes is None
+                rows.append(
+                    BatchRow(
+                        b,
+                        False,
+                        None,
+                        None,
+                        None,
+                        None,
+                        None,
+                        e.min_bytes,
+                        **eager,
+                        cut_short=cut_short,
+                    )
+                )
                 if sweep:
                     break  # a larger batch needs more still
                 continue
@@ -318,6 +337,13 @@ def fit_batch(
     bar.close()
     if best is None and cap_errors and rows[0].least_bytes is None:
         raise cap_errors[0]
+    if best is None and rows[0].cut_short:
+        raise InfeasibleBudgetError(
+            cap_bytes,
+            None,
+            f"No batch size fits: at batch size {rows[0].batch_size}, the smallest tried, the "
+            f"solver ran out of time before it found a fit or knew the least.",
+        )
     if best is None:
         first, least = rows[0].batch_size, rows[0].least_bytes or 0
         raise InfeasibleBudgetError(

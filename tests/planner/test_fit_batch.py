@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,6 +62,27 @@ def test_cap_below_every_plan_at_batch_1_says_no_batch_size_fits():
     assert "No batch size fits" in message and "batch size 1" in message
     assert info.value.min_bytes == least_bytes
     assert f"{least_bytes / 1e9:.3f} GB" in message
+
+
+def test_a_solver_out_of_time_is_not_called_a_least(monkeypatch):
+    """A solve cut short before it knew the least (InfeasibleBudgetError with no min_bytes)
+    is a row that says so, and, at the smallest batch, an error that says so; neither names a
+    least it does not know (the row read "over the FLOPs cap", the error "at least 0 GB")."""
+    import planner.priced
+
+    def cut_short(graph, budget_bytes, *args, **kwargs):
+        raise planner.InfeasibleBudgetError(budget_bytes, None, "(cut short)")
+
+    monkeypatch.setattr(planner.priced, "solve", cut_short)
+    with pytest.raises(planner.InfeasibleBudgetError) as info:
+        planner.fit_batch(gpt_small(), make_input, 1e-6, device="cpu")
+    assert info.value.min_bytes is None
+    assert "ran out of time" in str(info.value) and "0.000 GB" not in str(info.value)
+    monkeypatch.undo()
+    fit = planner.fit_batch(gpt_small(), make_input, 1e3, batch_sizes=[1], device="cpu")
+    row = planner.batch_search.BatchRow(2, False, *[None] * 6, 1, 1.0, 1.0, cut_short=True)
+    table = str(dataclasses.replace(fit, rows=(*fit.rows, row)))
+    assert "solver out of time" in table and "over the FLOPs cap" not in table
 
 
 @pytest.fixture(scope="module")
