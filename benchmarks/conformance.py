@@ -39,6 +39,7 @@ from torch import nn
 
 import planner
 from benchmarks.conformance_models import ZOO
+from benchmarks.vs_anchors import write_section
 from planner.devices import device_profile
 from planner.inplace_form import build_inplace_plan, price_inplace
 from planner.passes.step import call, split_input, training_loss
@@ -510,19 +511,6 @@ def _transformers_version() -> str:
     return f", transformers {transformers.__version__}"
 
 
-def write_section(markdown: str, path: Path = BENCHMARKS_MD) -> None:
-    """Replace this script's section of BENCHMARKS.md (between its markers), or append it."""
-    start, end = SECTION
-    section = f"{start}\n{markdown}\n{end}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + section + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def run(
     models: Iterable[str],
     forms: Sequence[str],
@@ -591,7 +579,7 @@ def main(argv: list[str] | None = None) -> None:
         text = report(points, command, seconds, parts[0]["environment"])
         print(text)
         if args.write:
-            write_section(text)
+            write_section(text, BENCHMARKS_MD, SECTION)
         return
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -634,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
     text = report(points, command, time.perf_counter() - t0, environment())
     print(text)
     if args.write:
-        write_section(text)
+        write_section(text, BENCHMARKS_MD, SECTION)
         print(f"\nwrote {BENCHMARKS_MD}")
 
 
