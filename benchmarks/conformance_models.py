@@ -31,6 +31,8 @@ DECODER = dict(
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
     use_cache=False, **SPECIAL,
 )  # fmt: skip
+# The same shape with one key/value head per query head (GPT-NeoX, Phi).
+MHA_DECODER = {k: v for k, v in DECODER.items() if k != "num_key_value_heads"}
 
 Example = tuple[nn.Module, Any]
 
@@ -206,32 +208,8 @@ ZOO: dict[str, Callable[[int], Example]] = {
         use_cache=False,
         **SPECIAL,
     ),  # fmt: skip
-    "gpt_neox": _hf(
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        False,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=SEQ,
-        use_cache=False,
-        **SPECIAL,
-    ),  # fmt: skip
-    "phi": _hf(
-        "PhiConfig",
-        "PhiForCausalLM",
-        False,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=SEQ,
-        use_cache=False,
-        **SPECIAL,
-    ),  # fmt: skip
+    "gpt_neox": _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", False, **MHA_DECODER),
+    "phi": _hf("PhiConfig", "PhiForCausalLM", False, **MHA_DECODER),
     # a custom autograd.Function (Bloom's GeLU), ALiBi
     "bloom": _hf(
         "BloomConfig",
