@@ -14,7 +14,6 @@ usage errors answer at once (no import cycle hides behind them).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -23,6 +22,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -417,8 +417,7 @@ def _console() -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from planner.passes.step import autocast_for
-    from planner.planning import check_form_options, price_form
+    from planner.planning import PlanOptions
 
     kind, value = parse_budget(args.budget)
     check_solvers(args.form, [args.solver])
@@ -430,8 +429,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts = solver_options(args, [args.solver])
     profile = profile_name(args.device)
     placement(args.device)  # a device that is neither fails before the model is built
-    check_form_options(args.form, device=profile, objective=args.objective, compiled=args.compiled)
+    options = PlanOptions(
+        args.form, device=profile, autocast=autocast_dtype(args), **planning_options(args)
+    ).checked([args.solver])
     loss_fn = load_callable(args.loss, "--loss") if args.loss else None
+    options = replace(options, loss_fn=loss_fn)
     model, example_input = build_example(args)
     with tqdm(total=4, desc="capture", unit="step", delay=0.5, disable=args.quiet) as bar:
 
@@ -440,17 +442,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 bar.update()
             bar.set_description(step if step != "solve" else f"solve ({args.solver})")
 
-        amp = autocast_dtype(args)
-        with contextlib.nullcontext() if amp is None else autocast_for(model, amp):
-            priced = price_form(
-                model, example_input, args.form, loss_fn=loss_fn, device=profile, on_step=on_step
-            )
+        priced = options.price(model, example_input, on_step)
         budget_bytes = (
             round(value * priced.eager_peak_bytes) if kind == "fraction" else round(value)
         )
-        p = priced.plan(
-            budget_bytes, args.solver, on_step=on_step, **planning_options(args), **opts
-        )
+        p = priced.plan(budget_bytes, args.solver, on_step=on_step, **options.solving, **opts)
         bar.update()
     out = _console()
     out.print(p.summary(verbose=args.verbose), highlight=False, markup=False)
