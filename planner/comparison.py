@@ -377,7 +377,8 @@ def compare(
                     )
                     bar.update()
                     continue
-                p = priced.build(schedule, budget_bytes, solve_time_s=time.perf_counter() - t0)
+                solve_time_s = time.perf_counter() - t0
+                p = priced.build_solved(schedule, budget_bytes, solve_time_s, options.compiled)
                 measured = None
                 if eager is not None:
                     measured = measure_plan(p, model, example_input, loss_fn, repeats)

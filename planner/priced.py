@@ -174,5 +174,12 @@ class Priced:
         )
         solve_time_s = time.perf_counter() - t0
         on_step("build")
+        return self.build_solved(schedule, budget_bytes, solve_time_s, compiled)
+
+    def build_solved(
+        self, schedule: Schedule, budget_bytes: int, solve_time_s: float, compiled: bool
+    ) -> Plan:
+        """Step 4 after :meth:`solve`: :meth:`build`, with the margin a ``compiled`` solve
+        planned within recorded on the plan (``planner/compiled.py``)."""
         built = self.build(schedule, budget_bytes, solve_time_s=solve_time_s)
         return replace(built, compiled_margin=COMPILED_MARGIN) if compiled else built

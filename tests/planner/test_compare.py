@@ -519,7 +519,9 @@ def test_compare_and_fit_batch_take_compiled_and_autocast_as_plan_does():
     )
     row = compared.rows[0]
     assert row.predicted_peak_bytes == api.predicted_peak_bytes
-    assert compared.plans[("dp", row.budget_bytes)].schedule.note.startswith("compiled:")
+    compared_plan = compared.plans[("dp", row.budget_bytes)]
+    assert compared_plan.schedule.note.startswith("compiled:")
+    assert compared_plan.compiled_margin == api.compiled_margin
     plain = compare_module.compare(
         model, example_input, budgets_gb=[api.budget_bytes / 1e9], solvers=["dp"], device="h100"
     )
