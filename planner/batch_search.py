@@ -240,17 +240,7 @@ def fit_batch(
     """
     cap_bytes = budget_bytes_from_gb(mem_budget_gb)
     # fail on an unknown solver or option before the slow part
-    options = PlanOptions(
-        form,
-        loss_fn,
-        device,
-        fsdp,
-        calibration,
-        objective,
-        max_recompute_flops_fraction,
-        compiled,
-        autocast,
-    ).checked([solver])
+    options = PlanOptions.of(locals()).checked([solver])
     sweep = batch_sizes is None
     sizes = list(doubling(1, max_batch_size)) if sweep else sorted(set(batch_sizes or ()))
     if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):

@@ -282,17 +282,7 @@ def compare(
     """
     names = list(solvers) if solvers is not None else solver_names(form)
     # unknown names, options and solvers that do not suit the form fail before the work
-    options = PlanOptions(
-        form,
-        loss_fn,
-        device,
-        fsdp,
-        calibration,
-        objective,
-        max_recompute_flops_fraction,
-        compiled,
-        autocast,
-    ).checked(names)
+    options = PlanOptions.of(locals()).checked(names)
     if fsdp is not None and measure:
         raise ValueError(
             "measure=True runs one process, while an fsdp plan is priced for one rank of "

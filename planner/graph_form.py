@@ -76,7 +76,13 @@ class PricedGraph(Priced):
     ) -> Plan:
         """Step 4: carry ``schedule`` out on the captured module (:func:`build_plan`)."""
         return build_plan(
-            self.module, self.graph, schedule, budget_bytes, regions, solve_time_s=solve_time_s
+            self.module,
+            self.graph,
+            schedule,
+            budget_bytes,
+            regions,
+            solve_time_s=solve_time_s,
+            baseline_peak_bytes=self.eager_peak_bytes,
         )
 
 
@@ -145,8 +151,10 @@ def build_plan(
     regions: list[Region] | None = None,
     *,
     solve_time_s: float = 0.0,
+    baseline_peak_bytes: int | None = None,
 ) -> Plan:
-    """Step 4: rewrite ``gm`` by ``schedule`` and price the result with ``simulate``."""
+    """Step 4: rewrite ``gm`` by ``schedule`` and price the result with ``simulate``
+    (``baseline_peak_bytes``: as for ``priced.predictions``)."""
     simulation = simulate(graph, schedule)  # also validates the schedule against the graph
     regions = named_regions(gm, graph, schedule) if regions is None else regions
     # the rewrite takes the regions as passes/ knows them (passes never import planner)
@@ -155,7 +163,7 @@ def build_plan(
         regions=tuple(regions),
         target=GraphTarget(rewrite(gm, named), graph_fingerprint(gm)),
         solve_time_s=solve_time_s,
-        **predictions(graph, schedule, simulation, budget_bytes),
+        **predictions(graph, schedule, simulation, budget_bytes, baseline_peak_bytes),
     )
 
 

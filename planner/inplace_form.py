@@ -163,6 +163,7 @@ class PricedInplace(Priced):
             budget_bytes,
             solve_time_s=solve_time_s,
             example_input=self.example_input,
+            baseline_peak_bytes=self.eager_peak_bytes,
         )
 
 
@@ -221,9 +222,11 @@ def build_inplace_plan(
     *,
     solve_time_s: float = 0.0,
     example_input: Any = None,
+    baseline_peak_bytes: int | None = None,
 ) -> Plan:
     """The plan for ``schedule``; ``example_input``: the input it was priced on, recorded so
-    that the applied model can tell a larger one (planner/guard.py)."""
+    that the applied model can tell a larger one (planner/guard.py); ``baseline_peak_bytes``:
+    as for ``priced.predictions``."""
     graph = eg.graph
     simulation = simulate(graph, schedule)  # validates: regions are module spans
     regions = []
@@ -257,7 +260,7 @@ def build_inplace_plan(
         regions=tuple(regions),
         target=target,
         solve_time_s=solve_time_s,
-        **predictions(graph, schedule, simulation, budget_bytes),
+        **predictions(graph, schedule, simulation, budget_bytes, baseline_peak_bytes),
     )
 
 

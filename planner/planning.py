@@ -17,9 +17,9 @@ target's ``apply``, reading its plan file); the Plan they return is ``planner/pl
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,13 @@ class PlanOptions:
     compiled: bool = False
     autocast: torch.dtype | None = None  # priced under torch.autocast in this dtype
 
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> PlanOptions:
+        """The options among an entry point's ``arguments`` (its ``locals()`` on entry):
+        ``plan``, ``compare`` and ``fit_batch`` spell each option out as a keyword of the
+        field's name, so that ``help()`` lists them, and gather them here in one place."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
     def checked(self, solvers: Sequence[str] = ("auto",)) -> PlanOptions:
         """These options, checked before the slow part (:func:`check_form_options`) for
         ``solvers``, the device resolved to its profile."""
@@ -219,6 +226,9 @@ def plan(
     readable with ``print(p.module.code)``, exportable) carries it out.
 
     ``example_input``: a tensor, a tuple of tensors, or a dict of keyword tensors.
+    ``loss_fn``: the loss the step differentiates, ``loss_fn(output)`` or ``loss_fn(output,
+    batch)`` (the batch: ``example_input``); None: the model's own ``loss`` (Hugging Face
+    style), else the sum of its floating outputs (with a ``LossFallbackWarning``).
     ``mem_budget_gb``: peak bytes of one forward+loss+backward step above the pre-step baseline
     (parameters and optimizer state), in decimal GB; ``planner.step_budget_gb`` derives it
     from a device's memory (``planner/device_budget.py``). Raises ``InfeasibleBudgetError`` (with
@@ -246,17 +256,8 @@ def plan(
     the summary states (``planner/compiled.py`` says why; in place only).
     """
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
-    options = PlanOptions(
-        form,
-        loss_fn,
-        device,
-        fsdp,
-        calibration,
-        objective,
-        max_recompute_flops_fraction,
-        compiled,
-        autocast,
-    ).checked((solver,))  # fail on an unknown form, solver or option before the slow part
+    # fail on an unknown form, solver or option before the slow part
+    options = PlanOptions.of(locals()).checked((solver,))
     priced = options.price(model, example_input)
     return priced.plan(budget_bytes, solver, **options.solving, **solver_opts)
 

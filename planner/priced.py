@@ -71,15 +71,23 @@ def op_timer(
 
 
 def predictions(
-    graph: CostGraph, schedule: Schedule, simulation: Simulation, budget_bytes: int
+    graph: CostGraph,
+    schedule: Schedule,
+    simulation: Simulation,
+    budget_bytes: int,
+    baseline_peak_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """The fields a plan of either form takes from its solve."""
+    """The fields a plan of either form takes from its solve. ``baseline_peak_bytes``: the
+    step's peak without checkpointing when known (``Priced.eager_peak_bytes``, simulated once
+    per pricing); None simulates it."""
+    if baseline_peak_bytes is None:
+        baseline_peak_bytes = simulate(graph, Schedule()).peak_bytes
     return dict(
         solver=schedule.solver,
         budget_bytes=budget_bytes,
         predictions=Predictions(
             peak_bytes=simulation.peak_bytes,
-            baseline_peak_bytes=simulate(graph, Schedule()).peak_bytes,
+            baseline_peak_bytes=baseline_peak_bytes,
             recompute_flops=simulation.recompute_flops,
             step_flops=graph.step_flops,
             recompute_time_s=simulation.recompute_time_s,

@@ -9,8 +9,9 @@ Tags this table gives (beside the estimators' own: ``attention``, ``skip``, ``ra
 ``inplace``, ``batchnorm``, ``view``):
 
 - ``matmul``: a matmul, convolution or fused attention, whatever its output's size;
-- ``weight_matmul``: of those, the ones that multiply by a weight (linear, addmm, mm, any
-  convolution): their outputs are worth keeping (Megatron's selective recomputation);
+- ``weight_matmul``: of those, the ones that multiply by a weight (linear, addmm, mm, the
+  convolutions of ``CONVOLUTION_OPS``): their outputs are worth keeping (Megatron's selective
+  recomputation);
 - ``fused_attention``: a fused attention kernel (its output is not the S x S scores).
 """
 
@@ -20,8 +21,26 @@ MATMUL = "matmul"
 WEIGHT_MATMUL = "weight_matmul"
 FUSED_ATTENTION = "fused_attention"
 
-# Multiply by a weight (exact names); any op named "...conv..." is a convolution, one too.
-WEIGHT_MATMUL_OPS = ("linear", "addmm", "mm", "convolution", "conv1d", "conv2d", "conv3d", "_conv")
+# The forward convolutions, by exact name: the generic ops, the functional ones an fx graph
+# names, and each backend's kernel. Named one by one because a substring rule ("conv") also
+# catches casts (convert_element_type) and index conversions, which selective regions would
+# then keep as if they were matmuls.
+CONVOLUTION_OPS = frozenset(
+    {
+        "convolution", "_convolution", "_convolution_mode", "convolution_overrideable",
+        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+        "conv_tbc", "_conv_depthwise2d", "conv_depthwise3d",
+        "cudnn_convolution", "cudnn_convolution_transpose", "cudnn_convolution_relu",
+        "cudnn_convolution_add_relu", "miopen_convolution", "miopen_convolution_transpose",
+        "miopen_depthwise_convolution", "miopen_convolution_relu", "miopen_convolution_add_relu",
+        "mkldnn_convolution", "_mps_convolution", "_mps_convolution_transpose",
+        "_nnpack_spatial_convolution", "_slow_conv2d_forward", "thnn_conv2d", "slow_conv3d",
+        "slow_conv3d_forward", "slow_conv_dilated2d", "slow_conv_dilated3d",
+        "slow_conv_transpose2d", "slow_conv_transpose3d",
+    }
+)  # fmt: skip
+# Multiply by a weight (exact names).
+WEIGHT_MATMUL_OPS = frozenset({"linear", "addmm", "mm", *CONVOLUTION_OPS})
 # Multiply two activations (matched within the name: "bmm" also finds "baddbmm").
 PAIR_MATMUL_OPS = ("matmul", "bmm", "baddbmm", "einsum")
 FUSED_ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -38,7 +57,7 @@ def op_class_tags(name: str) -> set[str]:
     """The tags op ``name`` earns by its class alone (module docstring)."""
     tags = set()
     fused = any(p in name for p in FUSED_ATTENTION_OPS)
-    if name in WEIGHT_MATMUL_OPS or "conv" in name:
+    if name in WEIGHT_MATMUL_OPS:
         tags |= {WEIGHT_MATMUL, MATMUL}
     if fused:
         tags |= {FUSED_ATTENTION, MATMUL}

@@ -7,19 +7,24 @@
 Both take a plan (an ``InplacePlan`` or the path of a saved one), or a budget to plan with on
 the first training batch, tiled to the largest (batch, sequence) shape you will train
 (:func:`at_shape`). Neither module is imported by ``import planner``: each imports its
-framework. What they share is here (no framework imported).
+framework. What they share is here (no framework imported): :class:`PlanCallbackCore`, the
+options, plan, step meter and logged numbers of both, so that each module is its framework's
+hooks alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from planner.hf_checkpointing import applied_plan
 from planner.inplace_form import load_inplace
+from planner.measurement import StepPeak
 from planner.passes.step import LossFn, autocast_for
 from planner.plans import InplacePlan
 
@@ -130,16 +135,80 @@ def peak_logs(plan: InplacePlan | None, measured_bytes: int | None) -> dict[str,
     return logs
 
 
-def callback_plan(
-    plan: InplacePlan | str | Path | None, mem_budget_gb: Any, measure_every_n_steps: int
-) -> InplacePlan | None:
-    """A training-loop callback's options checked, and the plan it was given (loaded from its
-    file), or None when it plans on the first batch."""
-    if (plan is None) == (mem_budget_gb is None):
-        raise ValueError(
-            "give PlanCallback either a plan (an InplacePlan or a saved plan's path) or "
-            "mem_budget_gb= to plan on the first training batch, not both or neither"
+@dataclass(eq=False)  # eq=False: a callback is itself, hashable as the frameworks expect
+class PlanCallbackCore:
+    """What both ``PlanCallback`` s are beside their framework's hooks.
+
+    ``plan``: an ``InplacePlan`` or a saved plan's path (loaded here: an ``InplacePlan`` once
+    built), or None with ``mem_budget_gb`` (decimal GB, or a share of the predicted eager peak
+    like ``"50%"``) to plan on the first training batch, tiled to ``largest_shape`` (batch,
+    sequence; :func:`at_shape`), with ``loss_fn``, ``solver`` and ``device`` as for
+    ``planner.plan``. ``measure``: measure the step's peak (``planner.measurement.StepPeak``)
+    every ``measure_every_n_steps`` optimizer steps. ``history``: every logged set of numbers
+    (:func:`peak_logs`), with its ``"step"``.
+    """
+
+    plan: InplacePlan | str | Path | None = None
+    _: KW_ONLY
+    mem_budget_gb: float | str | None = None
+    largest_shape: tuple[int, int] | None = None
+    loss_fn: LossFn | None = None
+    solver: str = "auto"
+    device: Any = None
+    measure: bool = True
+    measure_every_n_steps: int = 1
+    history: list[dict[str, float]] = field(default_factory=list, init=False, repr=False)
+    _meter: StepPeak | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.plan is None) == (self.mem_budget_gb is None):
+            raise ValueError(
+                "give PlanCallback either a plan (an InplacePlan or a saved plan's path) or "
+                "mem_budget_gb= to plan on the first training batch, not both or neither"
+            )
+        if self.measure_every_n_steps < 1:
+            raise ValueError(
+                f"measure_every_n_steps must be >= 1, got {self.measure_every_n_steps}"
+            )
+        if self.plan is not None:
+            self.plan = load_plan(self.plan)
+
+    def _setup(self, model: torch.nn.Module) -> None:
+        """Training begins on ``model``: apply the plan given (unless it is applied already)
+        and make the step meter."""
+        if self.plan is not None and applied_plan(model) is not self.plan:
+            self.plan.apply(model)
+        self._meter = StepPeak(model) if self.measure else None
+
+    def _plan_first_batch(
+        self, model: torch.nn.Module, batch: Any, autocast: torch.dtype | None
+    ) -> None:
+        """Plan ``model`` on ``batch`` (the first training batch, as the model takes it) under
+        the framework's ``autocast`` dtype, and apply the plan."""
+        plan = make_plan(
+            model,
+            at_shape(batch, self.largest_shape),
+            self.mem_budget_gb,  # type: ignore[arg-type]
+            loss_fn=self.loss_fn,
+            solver=self.solver,
+            device=self.device,
+            autocast=autocast,
         )
-    if measure_every_n_steps < 1:
-        raise ValueError(f"measure_every_n_steps must be >= 1, got {measure_every_n_steps}")
-    return None if plan is None else load_plan(plan)
+        plan.apply(model)
+        self.plan = plan
+
+    def _measures(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is measured."""
+        return self._meter is not None and step % self.measure_every_n_steps == 0
+
+    def _stop_meter(self) -> int | None:
+        """The measured step's peak bytes (None: no step was being measured)."""
+        if self._meter is None or not self._meter.running:
+            return None
+        return self._meter.stop()
+
+    def _logs(self, measured_bytes: int | None, step: int) -> dict[str, float]:
+        """The numbers to log at ``step`` (:func:`peak_logs`), kept in ``history`` too."""
+        logs = peak_logs(self.plan, measured_bytes)  # type: ignore[arg-type]
+        self.history.append({**logs, "step": step})
+        return logs

@@ -41,47 +41,26 @@ plan checkpoints instead.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
 from planner import hf_checkpointing
-from planner.hf_checkpointing import applied_plan
-from planner.integrations import at_shape, callback_plan, make_plan, peak_logs
-from planner.measurement import StepPeak
-from planner.passes.step import LossFn
-from planner.plans import InplacePlan
+from planner.integrations import PlanCallbackCore
 
 
-class PlanCallback(TrainerCallback):
-    """Apply a plan to the Trainer's model and log predicted against measured peak."""
+@dataclass(eq=False)
+class PlanCallback(PlanCallbackCore, TrainerCallback):
+    """Apply a plan to the Trainer's model and log predicted against measured peak (its
+    keywords: ``planner.integrations.PlanCallbackCore``; what it does: this module's
+    docstring)."""
 
-    def __init__(
-        self,
-        plan: InplacePlan | str | Path | None = None,
-        *,
-        mem_budget_gb: float | str | None = None,
-        largest_shape: tuple[int, int] | None = None,
-        loss_fn: LossFn | None = None,
-        solver: str = "auto",
-        device: Any = None,
-        measure: bool = True,
-        measure_every_n_steps: int = 1,
-    ) -> None:
-        self.plan: InplacePlan | None = callback_plan(plan, mem_budget_gb, measure_every_n_steps)
-        self.mem_budget_gb = mem_budget_gb
-        self.largest_shape = largest_shape
-        self.loss_fn, self.solver, self.device = loss_fn, solver, device
-        self.measure, self.measure_every_n_steps = measure, measure_every_n_steps
-        self.measured_bytes: int | None = None  # the most since the last log
-        self.history: list[dict[str, float]] = []  # every log's planner numbers, with "step"
-        self._model: torch.nn.Module | None = None
-        self._meter: StepPeak | None = None
-        self._hook: Any = None
-        self._measuring_step = False
-        self._autocast: torch.dtype | None = None  # TrainingArguments' mixed precision
+    measured_bytes: int | None = field(default=None, init=False)  # the most since the last log
+    _hook: Any = field(default=None, init=False, repr=False)
+    _measuring_step: bool = field(default=False, init=False, repr=False)
+    _autocast: torch.dtype | None = field(default=None, init=False, repr=False)  # bf16=/fp16=
 
     # --- applying ---------------------------------------------------------------------------
 
@@ -98,7 +77,6 @@ class PlanCallback(TrainerCallback):
                 stacklevel=2,
             )
             hf_checkpointing.turn_off(model)
-        self._model = model
         # Trainer(bf16=True / fp16=True) runs the forward under torch.autocast, entered inside
         # model.forward (accelerate), so the first batch's pre-hook plans outside it
         self._autocast = (
@@ -108,14 +86,11 @@ class PlanCallback(TrainerCallback):
             if getattr(args, "fp16", False)
             else None
         )
-        self._meter = StepPeak(model) if self.measure else None
-        if self.plan is not None:
-            if applied_plan(model) is not self.plan:
-                self.plan.apply(model)
-        elif self._hook is None:
-            self._hook = model.register_forward_pre_hook(self._plan_first_batch, with_kwargs=True)
+        self._setup(model)
+        if self.plan is None and self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
-    def _plan_first_batch(
+    def _on_forward(
         self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         if not (model.training and torch.is_grad_enabled()):
@@ -128,38 +103,25 @@ class PlanCallback(TrainerCallback):
                 "model was called with positional ones too: plan it yourself with "
                 "planner.plan(...) and pass PlanCallback(plan)"
             )
-        batch = at_shape(kwargs if kwargs else args, self.largest_shape)
-        self.plan = make_plan(
-            model,
-            batch,
-            self.mem_budget_gb,  # type: ignore[arg-type]
-            loss_fn=self.loss_fn,
-            solver=self.solver,
-            device=self.device,
-            autocast=self._autocast,
-        )
-        self.plan.apply(model)
+        self._plan_first_batch(model, kwargs if kwargs else args, self._autocast)
         if self._measuring_step and self._meter is not None and not self._meter.running:
             self._meter.start()  # the step's measurement starts with its first forward
 
     # --- measuring --------------------------------------------------------------------------
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._measuring_step = (
-            self._meter is not None and state.global_step % self.measure_every_n_steps == 0
-        )
+        self._measuring_step = self._measures(state.global_step)
         if self._measuring_step and self.plan is not None:
             self._meter.start()  # type: ignore[union-attr]
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._meter is not None and self._meter.running:
-            peak = self._meter.stop()
+        peak = self._stop_meter()
+        if peak is not None:
             self.measured_bytes = max(peak, self.measured_bytes or 0)
         self._measuring_step = False
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._meter is not None and self._meter.running:
-            self._meter.stop()
+        self._stop_meter()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -171,13 +133,12 @@ class PlanCallback(TrainerCallback):
     ) -> None:
         if logs is None or "loss" not in logs:
             return  # evaluation and end-of-training summaries carry no step to measure
-        extra = peak_logs(self.plan, self.measured_bytes)
+        extra = self._logs(self.measured_bytes, state.global_step)
         self.measured_bytes = None
         logs.update(extra)
         # Trainer.log copied ``logs`` into the history before the callbacks saw it
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
-        self.history.append({**extra, "step": state.global_step})
 
 
 def add_callback(trainer: Any, callback: PlanCallback) -> PlanCallback:

@@ -35,99 +35,61 @@ allocator's baseline is the prediction's. Each measured step logs ``planner/budg
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
 
-from planner.hf_checkpointing import applied_plan
-from planner.integrations import at_shape, callback_plan, make_plan, peak_logs
-from planner.measurement import StepPeak
-from planner.passes.step import LossFn
-from planner.plans import InplacePlan
+from planner.integrations import PlanCallbackCore
 
 # Lightning's mixed precisions -> the torch.autocast dtype its training_step runs under
 _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-class PlanCallback(Callback):
-    """Apply a plan to a LightningModule's (sub)module and log predicted against measured peak."""
+@dataclass(eq=False, kw_only=True)
+class PlanCallback(PlanCallbackCore, Callback):
+    """Apply a plan to a LightningModule's (sub)module and log predicted against measured peak
+    (``module``, ``example_input_fn``: this module's docstring; the other keywords:
+    ``planner.integrations.PlanCallbackCore``)."""
 
-    def __init__(
-        self,
-        plan: InplacePlan | str | Path | None = None,
-        *,
-        module: str = "",
-        mem_budget_gb: float | str | None = None,
-        largest_shape: tuple[int, int] | None = None,
-        example_input_fn: Callable[[Any], Any] | None = None,
-        loss_fn: LossFn | None = None,
-        solver: str = "auto",
-        device: Any = None,
-        measure: bool = True,
-        measure_every_n_steps: int = 1,
-    ) -> None:
-        self.plan: InplacePlan | None = callback_plan(plan, mem_budget_gb, measure_every_n_steps)
-        self.module_path = module
-        self.mem_budget_gb = mem_budget_gb
-        self.largest_shape = largest_shape
-        self.example_input_fn = example_input_fn
-        self.loss_fn, self.solver, self.device = loss_fn, solver, device
-        self.measure, self.measure_every_n_steps = measure, measure_every_n_steps
-        self.history: list[dict[str, float]] = []  # every measured step's numbers, with "step"
-        self._meter: StepPeak | None = None
+    module: str = ""
+    example_input_fn: Callable[[Any], Any] | None = None
 
     def _target(self, pl_module: torch.nn.Module) -> torch.nn.Module:
         try:
-            return pl_module.get_submodule(self.module_path)
+            return pl_module.get_submodule(self.module)
         except AttributeError:
             raise ValueError(
-                f"PlanCallback(module={self.module_path!r}): {type(pl_module).__name__} has no "
+                f"PlanCallback(module={self.module!r}): {type(pl_module).__name__} has no "
                 f"such submodule; name the attribute that holds the model the plan is for"
             ) from None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit":
-            return
-        target = self._target(pl_module)
-        if self.plan is not None and applied_plan(target) is not self.plan:
-            self.plan.apply(target)
-        if self.measure:
-            self._meter = StepPeak(target)
+        if stage == "fit":
+            self._setup(self._target(pl_module))
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        target = self._target(pl_module)
         if self.plan is None:
             example = self.example_input_fn(batch) if self.example_input_fn else batch
-            self.plan = make_plan(
-                target,
-                at_shape(example, self.largest_shape),
-                self.mem_budget_gb,  # type: ignore[arg-type]
-                loss_fn=self.loss_fn,
-                solver=self.solver,
-                device=self.device,
-                # precision="bf16-mixed" runs training_step under torch.autocast, this hook not
-                autocast=_MIXED.get(str(getattr(trainer, "precision", ""))),
-            )
-            self.plan.apply(target)
-        if self._meter is None or trainer.global_step % self.measure_every_n_steps:
+            # precision="bf16-mixed" runs training_step under torch.autocast, this hook not
+            autocast = _MIXED.get(str(getattr(trainer, "precision", "")))
+            self._plan_first_batch(self._target(pl_module), example, autocast)
+        if not self._measures(trainer.global_step):
             return
         if trainer.accumulate_grad_batches == 1:
             # Lightning sets them None itself after the forward, before backward
             pl_module.zero_grad(set_to_none=True)
-        self._meter.start()
+        self._meter.start()  # type: ignore[union-attr]
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._meter is None or not self._meter.running:
+        peak = self._stop_meter()
+        if peak is None:
             return
-        logs = peak_logs(self.plan, self._meter.stop())
-        for name, value in logs.items():
+        for name, value in self._logs(peak, trainer.global_step).items():
             pl_module.log(name, float(value), on_step=True, on_epoch=False)
-        self.history.append({**logs, "step": trainer.global_step})
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._meter is not None and self._meter.running:
-            self._meter.stop()
+        self._stop_meter()

@@ -310,3 +310,18 @@ def test_value_no_node_uses_is_freed_as_the_graph_module_frees_it():
     unused = [n for n in captured.module.graph.nodes if not n.users and n.op != "output"]
     assert any(n.target == torch.ops.aten.select.int for n in unused)
     assert simulate(graph, Schedule()).peak_bytes == measure(captured.module, x).peak_bytes
+
+
+def test_op_class_table_names_every_forward_convolution_this_torch_has():
+    """``CONVOLUTION_OPS`` names convolutions one by one (no "conv" substring rule, which tags
+    casts as weight matmuls): every forward aten convolution this torch registers is in it."""
+    from planner.solvers.op_classes import CONVOLUTION_OPS
+
+    schemas = torch._C._jit_get_all_schemas()
+    names = {s.name.split("::")[1] for s in schemas if s.name.startswith("aten::")}
+    forward_convs = {
+        n
+        for n in names
+        if ("conv" in n and "convert" not in n and "backward" not in n and "reorder" not in n)
+    }
+    assert forward_convs and forward_convs <= CONVOLUTION_OPS

@@ -539,3 +539,20 @@ def test_compare_and_fit_batch_take_compiled_and_autocast_as_plan_does():
     assert fit.plan.compiled_margin == api.compiled_margin
     with pytest.raises(ValueError, match="compiled=True plans the in-place form"):
         compare_module.compare(model, example_input, [1.0], form="graph", compiled=True)
+
+
+@pytest.mark.parametrize("entry", ["plan", "compare", "fit_batch"])
+def test_every_entry_point_spells_out_every_plan_option(entry):
+    """``PlanOptions.of(locals())`` gathers the options: each entry point must take every
+    field as a keyword of its name, with its default (and so lists it in ``help()``)."""
+    import inspect
+
+    from planner.planning import PlanOptions
+
+    function = getattr(planner, entry)
+    params = inspect.signature(function).parameters
+    for field in dataclasses.fields(PlanOptions):
+        assert params[field.name].default == field.default, (entry, field.name)
+        assert params[field.name].kind is not inspect.Parameter.POSITIONAL_ONLY
+        if entry == "plan":  # the others document theirs "as for planner.plan"
+            assert f"``{field.name}" in function.__doc__, field.name

@@ -86,6 +86,22 @@ def test_at_shape_tiles_each_batch_tensor_to_the_largest_shape():
     assert at_shape(x, None) is x
 
 
+def test_callback_options_are_checked_when_it_is_built():
+    """The checks both callbacks share (``PlanCallbackCore``): one of plan and budget, a
+    positive measuring interval, an in-place plan; each says what to pass instead."""
+    with pytest.raises(ValueError, match="not both or neither"):
+        PlanCallback()
+    with pytest.raises(ValueError, match="not both or neither"):
+        PlanCallback("plan.json", mem_budget_gb=1.0)
+    with pytest.raises(ValueError, match="measure_every_n_steps must be >= 1, got 0"):
+        PlanCallback(mem_budget_gb="50%", measure_every_n_steps=0)
+    with pytest.raises(TypeError, match="plan must be an InplacePlan"):
+        PlanCallback(3)
+    cb = PlanCallback(mem_budget_gb="50%", largest_shape=(2, 8), measure_every_n_steps=2)
+    assert (cb.plan, cb.largest_shape, cb.history) == (None, (2, 8), [])
+    assert PlanCallback(mem_budget_gb=1.0).history is not cb.history
+
+
 def test_trainer_plans_on_first_batch_at_half_eager(tmp_path):
     ref_trainer, ref = train(llama(), str(tmp_path / "ref"))
     model = llama()

@@ -35,8 +35,8 @@ def extended(monkeypatch):
     """The plan type and the code that computes its predictions, one field more."""
     real = priced.predictions
 
-    def computing(graph, schedule, simulation, budget_bytes):
-        fields = real(graph, schedule, simulation, budget_bytes)
+    def computing(graph, schedule, simulation, budget_bytes, baseline_peak_bytes=None):
+        fields = real(graph, schedule, simulation, budget_bytes, baseline_peak_bytes)
         fields["predictions"] = WithSaved(
             **asdict(fields["predictions"]),
             saved_for_backward_bytes=saved_for_backward_bytes(graph),
@@ -132,3 +132,25 @@ def test_plan_files_saved_before_the_one_format_still_apply(tmp_path):
     again = planner.apply_plan(model, old, X)
     assert again.regions == g.regions and again.module.code == g.module.code
     assert untimed(again.predictions) == untimed(g.predictions)
+
+
+@pytest.mark.parametrize("form", ["inplace", "graph"])
+def test_plans_of_one_pricing_simulate_the_step_without_checkpointing_once(form, monkeypatch):
+    """``baseline_peak_bytes`` is the pricing's cached ``eager_peak_bytes``: building a plan
+    does not simulate the no-checkpoint step again."""
+    from planner.planning import PlanOptions
+
+    uncheckpointed = []
+    real = priced.simulate
+
+    def counting(graph, schedule, *args, **kwargs):
+        if not schedule.regions:
+            uncheckpointed.append(graph)
+        return real(graph, schedule, *args, **kwargs)
+
+    monkeypatch.setattr(priced, "simulate", counting)
+    pricing = PlanOptions(form=form, device="cpu").checked().price(_model(), X)
+    built = [pricing.plan(budget, "dp") for budget in (10**9, pricing.eager_peak_bytes)]
+    assert len(uncheckpointed) == 1
+    assert all(p.baseline_peak_bytes == pricing.eager_peak_bytes for p in built)
+    assert pricing.eager_peak_bytes == real(pricing.graph, priced.Schedule()).peak_bytes
