@@ -11,11 +11,10 @@ interval of each submodule call that may become a region applied in place.
 
 How: the step runs ONCE under ``FakeTensorMode`` with the tracker of ``passes/trace.py``, which
 here opens one record per aten op; ``passes/costing.py`` turns the records into the CostGraph,
-as for ``estimate``. Saves for backward: ``saved_tensors_hooks`` see each save, but autograd
-saves an op's inputs before the op reaches dispatch, so a save is attributed to the node whose
-backward unpacks it (or, never unpacked, the op that ran last). Backward: an op's grad_fn is
-attached after it returns from dispatch, so the previous ops' outputs (held by weakref only) are
-claimed as the next op starts (``Tracker.claim``).
+as for ``estimate``. An op's grad_fn is attached after it returns from dispatch, so the previous
+ops' outputs (held by weakref only) are claimed as the next op starts (``Tracker.claim``), and a
+save, which autograd makes before the op reaches dispatch, is attributed to the node whose
+backward unpacks it (``Tracker.saving``).
 
 Module calls: every submodule's ``forward`` is wrapped during the run (an instance attribute,
 removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what
@@ -60,7 +59,7 @@ from planner.passes.step import (
     split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Storage, Tracker, fake_state, is_tensor, to_fake
+from planner.passes.trace import OpRecord, Tracker, fake_state, is_tensor, to_fake
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.cuts import forbidden_cuts
 from planner.solvers.rates import DeviceProfile
@@ -100,25 +99,15 @@ class EagerGraph:
         return op, self.op_sequence(start, i).count(op)
 
 
-@dataclass(eq=False)
-class _Save:
-    storage: Storage | None  # None: a storage the tracker never saw
-    node: int  # the op that ran last when autograd saved it
-    allocated: int  # storages that op had allocated by then
-    owner: int | None = None  # the node whose backward unpacked it
-
-
 class _OpTracker(Tracker):
     """The tracker, opening one record per aten op of the forward and loss."""
 
     def __init__(self, record_calls: bool = False) -> None:
         super().__init__(record_calls)
         self.recording = False
-        self.internal = 0  # our own ops (detaching saves): not the model's
         self.path_stack: list[str] = []
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         self.pending: list[tuple[int, list[weakref.ref]]] = []
-        self.saves: list[_Save] = []
         self.failed_in: str | None = None  # the innermost module a failing forward ran
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
@@ -156,32 +145,6 @@ class _OpTracker(Tracker):
         for i, refs in self.pending:
             self.claim([t for ref in refs if (t := ref()) is not None], i)
         self.pending.clear()
-
-    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
-        node = self.node
-        self.saves.append(_Save(self.lookup(t), node, len(self.allocated[("fwd", node)])))
-        self.internal += 1
-        try:
-            # detached: a saved copy pointing back at its grad_fn would form a reference cycle
-            # and keep storages alive past the moment autograd really frees them
-            return len(self.saves) - 1, t.detach()
-        finally:
-            self.internal -= 1
-
-    def unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
-        k, t = packed
-        save = self.saves[k]
-        if save.owner is None and self.phase == "bwd":
-            save.owner = self.node
-        return t
-
-    def resolve_saves(self) -> None:
-        for s in self.saves:
-            owner = s.node if s.owner is None else s.owner
-            if owner < 0:
-                continue
-            # Inputs are saved before the op allocates anything, outputs after.
-            self.note_save(s.storage, owner, s.allocated if owner == s.node else 0)
 
 
 class _CallRecorder(ForwardWrapper):
@@ -356,7 +319,7 @@ def eager_graph(
         tracker,
     ):
         tracker.recording = True
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        with tracker.saving():
             try:
                 with amp_forward():
                     out = model(*call_args, **call_kwargs)
@@ -377,7 +340,6 @@ def eager_graph(
         del out
         tracker.backward(loss, len(tracker.records) - 1)
         del loss
-    tracker.resolve_saves()
     buffer_of = {
         id(rec): name
         for name in dict(model.named_buffers(remove_duplicate=False))

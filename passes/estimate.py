@@ -8,8 +8,8 @@ How: the step (forward, loss per ``passes/step.training_loss``, backward) runs O
 ``FakeTensorMode``, so no real memory is allocated and no real arithmetic is done, which is what
 lets a 7B-parameter shape be priced on a laptop, with the tracker of ``passes/trace.py`` beneath
 it. The forward runs node by node (an fx Interpreter), one tracker record per graph node (the
-loss step is charged to the last node); autograd saves are attributed to the node running, and
-the backward to forward nodes through pre-hooks on the autograd nodes each created.
+loss step is charged to the last node); autograd saves and the backward are attributed to
+forward nodes as in the eager estimator (``passes/trace.py``).
 ``passes/costing.py`` turns the records into the CostGraph (the same step as the eager
 estimator's), timed by the device rates the caller passes.
 
@@ -80,7 +80,6 @@ class _Step(fx.Interpreter):
         self.fake_mode = fake_mode
         self.constants: dict[str, torch.Tensor] = {}
         self.index = index
-        self.in_node = False  # a graph node's forward is running (not the loss step)
 
     def fetch_attr(self, target: str) -> Any:
         # Tensor constants that are neither parameters nor buffers (export's lifted constants,
@@ -99,20 +98,9 @@ class _Step(fx.Interpreter):
             return super().run_node(n)
         tr = self.tracker
         read, _, seg = tr.enter_node(i, [self.env[a] for a in n.all_input_nodes])
-        self.in_node = True
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
-            out = super().run_node(n)
-        self.in_node = False
+        out = super().run_node(n)
         tr.claim(tr.exit_node(tr.records[i], read, seg, out), i)
         return out
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        tr = self.tracker
-        allocated = len(tr.allocated[("fwd", tr.node)]) if self.in_node else None
-        tr.note_save(tr.lookup(t), tr.node, allocated)
-        # detach: the saved copy must not point back at its grad_fn (a reference cycle would
-        # keep storages alive past the moment autograd really frees them).
-        return t.detach()
 
 
 def _sdpa_kernel(backend: str | None) -> contextlib.AbstractContextManager:
@@ -129,10 +117,6 @@ def _sdpa_kernel(backend: str | None) -> contextlib.AbstractContextManager:
     if backend not in names:
         raise ValueError(f"sdpa_backend must be one of {sorted(names)} or None, got {backend!r}")
     return sdpa_kernel([names[backend]])
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
@@ -240,6 +224,7 @@ def estimate(
         contextlib.ExitStack() as forward,
     ):
         forward.enter_context(amp_forward())  # to the loss (passes/step.py)
+        forward.enter_context(tracker.saving())
         try:
             out = step.run(*flat, enable_io_processing=False)
         except data_dependent_errors() as e:
@@ -261,12 +246,12 @@ def estimate(
                 rec.is_output = True
         out = gm.graph.process_outputs(out)
         # The loss step is not a graph node: charge it to the last node, forward and backward.
-        tracker.node, tracker.phase = last, "fwd"
+        tracker.node, tracker.phase, tracker.outside_node = last, "fwd", True
         loss_seg = Segment(start_bytes=tracker.live_bytes)
         tracker.peak_bytes = tracker.live_bytes
-        with torch.autograd.graph.saved_tensors_hooks(step._pack, _unpack):
-            with loss_on_fake_tensors():
-                loss = training_loss(out, loss_fn, fake_batch, warn=True)
+        with loss_on_fake_tensors():
+            loss = training_loss(out, loss_fn, fake_batch, warn=True)
+        tracker.outside_node = False
         loss_seg.peak_above_start_bytes = tracker.peak_bytes - loss_seg.start_bytes
         tracker.claim([loss], last)
         del out

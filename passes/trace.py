@@ -7,8 +7,10 @@ creates (a weakref finalizer on each storage says when it dies), and keeps per o
 moved, in-place writes, what it reads (:meth:`Tracker.enter_node`), its forward working set,
 output shapes and whether it only made views (:meth:`Tracker.exit_node`, an :class:`OpRecord`),
 and which autograd nodes it created (:meth:`Tracker.claim`), whose pre-hooks attribute the
-backward's memory to it (:class:`BackwardSegments`). ``passes/costing.py`` turns a tracker's
-records into a CostGraph.
+backward's memory to it (:class:`BackwardSegments`). Saves for backward (:meth:`Tracker.saving`)
+are attributed to the node whose backward unpacks them, the one way that holds in both forms:
+autograd saves an eager op's inputs before the op reaches dispatch, where its record opens.
+``passes/costing.py`` turns a tracker's records into a CostGraph.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +108,16 @@ class Storage:
     written_by: set[int] = field(default_factory=set)  # nodes writing it in place in forward
 
 
+@dataclass(eq=False)
+class Save:
+    """One tensor autograd saved for backward (mutable scratch; identity-compared)."""
+
+    storage: Storage | None  # None: a storage the tracker never saw
+    node: int  # the node running when autograd saved it
+    allocated: int | None  # storages that node's forward had allocated by then (None: outside it)
+    owner: int | None = None  # the node whose backward unpacked it
+
+
 def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
@@ -144,6 +157,11 @@ class Tracker(TorchDispatchMode):
         self.records: list[OpRecord] = []
         self.grad_fn_node: dict[Any, int] = {}
         self.segments = BackwardSegments(self)
+        self.saves: list[Save] = []
+        self.internal = 0  # the tracker's own ops (detaching saves) are running: not the model's
+        # ops run now are charged to ``node`` but are not its forward (the graph form's loss
+        # step): their saves do not move its last save
+        self.outside_node = False
 
     def _is_weight(self, t: Any) -> bool:
         """A parameter: what autocast caches the casts of (leaves that require grad)."""
@@ -291,8 +309,45 @@ class Tracker(TorchDispatchMode):
         with amp_backward():
             loss.backward()
         self.segments.close()
+        self._resolve_saves()
 
-    def note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
+    def saving(self) -> AbstractContextManager:
+        """Autograd's saves for backward seen by the tracker (run the forward and the loss
+        under it): each is attributed when :meth:`backward` unpacks it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
+        node = self.node
+        allocated = None if self.outside_node else len(self.allocated[("fwd", node)])
+        self.saves.append(Save(self.lookup(t), node, allocated))
+        self.internal += 1
+        try:
+            # detached: a saved copy pointing back at its grad_fn would form a reference cycle
+            # and keep storages alive past the moment autograd really frees them
+            return len(self.saves) - 1, t.detach()
+        finally:
+            self.internal -= 1
+
+    def _unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
+        k, t = packed
+        save = self.saves[k]
+        if save.owner is None and self.phase == "bwd":
+            save.owner = self.node
+        return t
+
+    def _resolve_saves(self) -> None:
+        """Each save belongs to the node whose backward unpacked it (never unpacked: the node
+        running when it was saved). In eager code an op's inputs are saved before the op
+        reaches dispatch, so while the previous op is still the running node; in a graph the
+        node runs before autograd and both are the same node."""
+        for s in self.saves:
+            owner = s.node if s.owner is None else s.owner
+            if owner < 0:
+                continue
+            # Inputs are saved before the op allocates anything, outputs after.
+            self._note_save(s.storage, owner, s.allocated if owner == s.node else 0)
+
+    def _note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
         """Autograd saved ``rec`` for node ``owner``'s backward. ``allocated``: the storages
         ``owner``'s forward had allocated by then (None: not during its forward)."""
         if rec is not None and rec.node >= 0:
