@@ -51,7 +51,6 @@ from planner.passes.step import (
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
-    floating_leaves,
     join_input,
     loss_on_fake_tensors,
     model_input,
@@ -334,9 +333,7 @@ def eager_graph(
         tracker.recording = False
         if not tracker.records:
             raise ValueError(f"{type(model).__name__}'s forward ran no tensor operation")
-        for t in floating_leaves(out):
-            if (rec := tracker.lookup(t)) is not None:
-                rec.is_output = True
+        tracker.mark_outputs(out)
         del out
         tracker.backward(loss, len(tracker.records) - 1)
         del loss

@@ -241,9 +241,7 @@ def estimate(
                 "with. Capture and estimate inside the same torch.nn.attention.sdpa_kernel(...) "
                 "context you train with instead."
             ) from e
-        for t in tree_leaves(out):
-            if is_tensor(t) and (rec := tracker.lookup(t)) is not None:
-                rec.is_output = True
+        tracker.mark_outputs(out)
         out = gm.graph.process_outputs(out)
         # The loss step is not a graph node: charge it to the last node, forward and backward.
         tracker.node, tracker.phase, tracker.outside_node = last, "fwd", True

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.passes.nodes import written_arguments
 from planner.passes.op_timing import OpCall, op_call
-from planner.passes.step import amp_backward, autocast_dtypes
+from planner.passes.step import amp_backward, autocast_dtypes, tensor_leaves
 
 _SDPA_BACKENDS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash",
@@ -298,6 +298,14 @@ class Tracker(TorchDispatchMode):
             self.grad_fn_node[g] = i
             g.register_prehook(functools.partial(_enter_backward, self.segments, i))
             stack.extend(f for f, _ in g.next_functions if f is not None)
+
+    def mark_outputs(self, out: Any) -> None:
+        """The step's forward returned ``out``: every tensor in it lives until the caller
+        releases it before backward (``Tensor.is_output``), floating or not, as the real step
+        holds the whole output (``planner/measurement.py``)."""
+        for t in tensor_leaves(out):
+            if (rec := self.lookup(t)) is not None:
+                rec.is_output = True
 
     def backward(self, loss: torch.Tensor, last: int) -> None:
         """Run the step's backward from ``loss``, attributed to forward nodes from ``last`` down
