@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -51,14 +51,13 @@ from planner.passes.step import (
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
-    join_input,
     loss_on_fake_tensors,
     model_input,
     precision_text,
     split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Tracker, fake_state, is_tensor, to_fake
+from planner.passes.trace import OpRecord, Tracker, fake_step, is_tensor
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.cuts import forbidden_cuts
 from planner.solvers.rates import DeviceProfile
@@ -295,27 +294,14 @@ def eager_graph(
     step's aten calls on the model's real device (from ``timer``, a device's calibration),
     fitted to its measured step if given.
     """
-    args, kwargs = split_input(example_input)
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = fake_state(mode, model)
-    fake_args = [to_fake(mode, a) for a in args]
-    fake_kwargs = {k: to_fake(mode, v) for k, v in kwargs.items()}
-    fake_batch = join_input(example_input, tuple(fake_args), fake_kwargs)
-    call_args, call_kwargs = model_input(model, fake_batch, loss_fn)
-    device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
-    device = device or torch.device("cpu")
-    if time_ops and device.type == "meta":
-        raise ValueError("time_ops needs the model on a real device (cpu or cuda), not meta")
     tracker = _OpTracker(record_calls=time_ops)
-    for t in [*state.values(), *tree_leaves((fake_args, fake_kwargs))]:
-        tracker.register_external(t)
-
+    fs = fake_step(model, example_input, tracker)
+    call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
+    _, kwargs = split_input(example_input)
     with (
         _mask_decisions_as_eager(kwargs),
-        torch.nn.utils.stateless._reparametrize_module(model, state),
         _recording_calls(model, tracker) as calls,
-        mode,
-        tracker,
+        fs.running(),
     ):
         tracker.recording = True
         with tracker.saving():
@@ -323,7 +309,7 @@ def eager_graph(
                 with amp_forward():
                     out = model(*call_args, **call_kwargs)
                     with loss_on_fake_tensors():
-                        loss = training_loss(out, loss_fn, fake_batch, warn=True)
+                        loss = training_loss(out, loss_fn, fs.batch, warn=True)
                     tracker.release_casts(len(tracker.records) - 1)
             except data_dependent_errors() as e:
                 where = tracker.failed_in
@@ -340,16 +326,16 @@ def eager_graph(
     buffer_of = {
         id(rec): name
         for name in dict(model.named_buffers(remove_duplicate=False))
-        if (rec := tracker.lookup(state[name])) is not None
+        if (rec := tracker.lookup(fs.state[name])) is not None
     }
     # node -> the model state it writes, by buffer name (None: state that is no buffer)
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
 
-    graph = cost_graph(tracker, (args, kwargs), rates, device, "fake tensors, eager")
+    graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
     graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
-        graph = with_measured_times(graph, tracker, device, rates, step_time, timer)
+        graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
     return _candidates(model, graph, calls, written, tracker.aliased_args)
 
 

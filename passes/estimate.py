@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._pytree import tree_flatten_spec
-from torch.utils._pytree import tree_leaves
 
 from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.nodes import module_path
@@ -38,12 +37,10 @@ from planner.passes.step import (
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
-    join_input,
     loss_on_fake_tensors,
-    split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Segment, Tracker, fake_state, is_tensor, to_fake
+from planner.passes.trace import FakeStep, OpRecord, Segment, Tracker, fake_step, is_tensor
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.rates import DeviceProfile
 
@@ -62,13 +59,7 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 class _Step(fx.Interpreter):
     """Runs the forward node by node under the tracker, one record per compute node."""
 
-    def __init__(
-        self,
-        gm: fx.GraphModule,
-        tracker: Tracker,
-        index: dict[fx.Node, int],
-        fake_mode: FakeTensorMode,
-    ):
+    def __init__(self, gm: fx.GraphModule, step: FakeStep, index: dict[fx.Node, int]):
         super().__init__(gm)
         # fx.Interpreter frees a value after its last user, so one with no user (an unused
         # select export leaves behind) stayed in its env to the end, holding the storage it
@@ -76,8 +67,8 @@ class _Step(fx.Interpreter):
         for node in gm.graph.nodes:
             if not node.users and node.op != "output":
                 self.user_to_last_uses.setdefault(node, []).append(node)
-        self.tracker = tracker
-        self.fake_mode = fake_mode
+        self.step = step
+        self.tracker = step.tracker
         self.constants: dict[str, torch.Tensor] = {}
         self.index = index
 
@@ -87,8 +78,7 @@ class _Step(fx.Interpreter):
         value = super().fetch_attr(target)
         if is_tensor(value) and not isinstance(value, FakeTensor):
             if target not in self.constants:
-                self.constants[target] = self.fake_mode.from_tensor(value, static_shapes=True)
-                self.tracker.register_external(self.constants[target])
+                self.constants[target] = self.step.fake(value)
             value = self.constants[target]
         return value
 
@@ -183,27 +173,12 @@ def estimate(
     index = {n: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
 
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = fake_state(mode, gm)
-    flat = [to_fake(mode, x) for x in _flatten_inputs(gm, args, kwargs)]
     if batch is None:
         batch = dict(kwargs) if kwargs else tuple(args)
-    batch_args, batch_kwargs = split_input(batch)
-    fake_batch = join_input(
-        batch,
-        tuple(to_fake(mode, a) for a in batch_args),
-        {k: to_fake(mode, v) for k, v in batch_kwargs.items()},
-    )
-
-    device = _device_of(gm, flat)
-    if time_ops and device.type == "meta":
-        raise ValueError(
-            "time_ops needs the model and input on a real device (cpu or cuda), not meta; "
-            "price a meta model by a device profile (rates=...) instead"
-        )
-    tracker = Tracker(record_calls=time_ops)
-    for t in [*state.values(), *flat, *tree_leaves(fake_batch)]:
-        tracker.register_external(t)
+    fs = fake_step(gm, batch, Tracker(record_calls=time_ops))
+    # what the graph takes, flattened to its placeholders (a part of the batch)
+    flat = [fs.fake(x) for x in _flatten_inputs(gm, args, kwargs)]
+    tracker, device, fake_batch = fs.tracker, fs.device, fs.batch
     tracker.records = [
         OpRecord(
             name=n.name,
@@ -214,15 +189,9 @@ def estimate(
         )
         for n in nodes
     ]
-    step = _Step(gm, tracker, index, mode)
+    step = _Step(gm, fs, index)
 
-    with (
-        torch.nn.utils.stateless._reparametrize_module(gm, state),
-        _sdpa_kernel(sdpa_backend),
-        mode,
-        tracker,
-        contextlib.ExitStack() as forward,
-    ):
+    with _sdpa_kernel(sdpa_backend), fs.running(), contextlib.ExitStack() as forward:
         forward.enter_context(amp_forward())  # to the loss (passes/step.py)
         forward.enter_context(tracker.saving())
         try:
@@ -272,10 +241,3 @@ def estimate(
     if not time_ops:
         return graph
     return with_measured_times(graph, tracker, device, rates, step_time, timer)
-
-
-def _device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
-    for t in [*gm.parameters(), *gm.buffers(), *flat]:
-        if is_tensor(t):
-            return t.device
-    return torch.device("cpu")

@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,13 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.passes.nodes import written_arguments
 from planner.passes.op_timing import OpCall, op_call
-from planner.passes.step import amp_backward, autocast_dtypes, tensor_leaves
+from planner.passes.step import (
+    amp_backward,
+    autocast_dtypes,
+    join_input,
+    split_input,
+    tensor_leaves,
+)
 
 _SDPA_BACKENDS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash",
@@ -409,6 +415,58 @@ def fake_state(mode: FakeTensorMode, module: torch.nn.Module) -> dict[str, Any]:
     state = {k: to_fake(mode, v) for k, v in module.named_parameters(remove_duplicate=False)}
     state.update({k: to_fake(mode, v) for k, v in module.named_buffers(remove_duplicate=False)})
     return state
+
+
+@dataclass(eq=False)
+class FakeStep:
+    """What both estimators run a step on: one fake mode, ``module``'s parameters and buffers
+    and the example input (``batch``) faked in it, the device the step runs on, and the tracker,
+    which counts all of those as the baseline (:func:`fake_step`)."""
+
+    module: torch.nn.Module
+    mode: FakeTensorMode
+    state: dict[str, Any]  # fake parameters and buffers, by name (``fake_state``)
+    batch: Any  # the example input, faked, in its own shape
+    device: torch.device
+    tracker: Tracker
+
+    def fake(self, x: Any) -> Any:
+        """``x`` faked in this mode (memoised: the same fake tensor for the same tensor), and
+        counted as the baseline: a further input, a constant."""
+        x = to_fake(self.mode, x)
+        self.tracker.register_external(x)
+        return x
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Run ``module`` on its fake state, under the fake mode, with the tracker beneath."""
+        with (
+            torch.nn.utils.stateless._reparametrize_module(self.module, self.state),
+            self.mode,
+            self.tracker,
+        ):
+            yield
+
+
+def fake_step(module: torch.nn.Module, batch: Any, tracker: Tracker) -> FakeStep:
+    """The :class:`FakeStep` of ``module`` on the example input ``batch`` (a tensor, a tuple
+    or a dict of them), traced by ``tracker`` (which needs a real device to time the calls on
+    if it records them)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    state = fake_state(mode, module)
+    args, kwargs = split_input(batch)
+    fake_args = tuple(to_fake(mode, a) for a in args)
+    fake_batch = join_input(batch, fake_args, {k: to_fake(mode, v) for k, v in kwargs.items()})
+    tensors = [*module.parameters(), *module.buffers(), *tree_leaves((args, kwargs))]
+    device = next((t.device for t in tensors if is_tensor(t)), torch.device("cpu"))
+    if tracker.record_calls and device.type == "meta":
+        raise ValueError(
+            "time_ops needs the model and input on a real device (cpu or cuda), not meta; "
+            "price a meta model by a device profile (rates=...) instead"
+        )
+    for t in [*state.values(), *tree_leaves(fake_batch)]:
+        tracker.register_external(t)
+    return FakeStep(module, mode, state, fake_batch, device, tracker)
 
 
 class BackwardSegments:
