@@ -124,6 +124,9 @@ class _OpTracker(Tracker):
         self.claim_pending()
         i = len(self.records)
         path = self.path_stack[-1] if self.path_stack else None
+        # outside the model: the loss, its ops nodes of their own (``step:...``), which no
+        # region holds (regions are module calls); the graph form, whose every node may be in
+        # a region, charges them to its last node instead (``estimate._charged_to``)
         prefix = ("model" if path == "" else path) if path is not None else "step"
         short = func._overloadpacket.__name__
         name = f"{prefix}:{short}:{self.counts[(prefix, short)]}"

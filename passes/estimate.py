@@ -21,7 +21,7 @@ Sizes are those of the device and dtypes the step really runs with: CPU, CUDA or
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from planner.passes.step import (
     loss_on_fake_tensors,
     training_loss,
 )
-from planner.passes.trace import FakeStep, OpRecord, Segment, Tracker, fake_step, is_tensor
+from planner.passes.trace import FakeStep, OpRecord, Tracker, fake_step, is_tensor
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.rates import DeviceProfile
 
@@ -91,6 +91,29 @@ class _Step(fx.Interpreter):
         out = super().run_node(n)
         tr.claim(tr.exit_node(tr.records[i], read, seg, out), i)
         return out
+
+
+@contextlib.contextmanager
+def _charged_to(tracker: Tracker, last: int) -> Iterator[None]:
+    """Run the loss step as part of node ``last``'s forward: its FLOPs, traffic and working
+    set (its saves do not move the node's last save: recomputing the node runs no loss).
+
+    Needed in this form only. Here the CostGraph's nodes are the GraphModule's compute nodes,
+    one to one (``compute_nodes``: regions are named by them), and a graph solver may place a
+    region over any run of nodes; the loss runs outside the GraphModule, so a node of its own
+    would be one no region could checkpoint. The eager estimator records the loss's aten ops as
+    nodes of their own (``step:...``): its regions are module calls, which never hold them.
+    """
+    tracker.node, tracker.phase, tracker.outside_node = last, "fwd", True
+    tracker.peak_bytes = tracker.live_bytes
+    try:
+        yield
+    finally:
+        tracker.outside_node = False
+    seg = tracker.records[last].fwd
+    seg.peak_above_start_bytes = max(
+        seg.peak_above_start_bytes, tracker.peak_bytes - seg.start_bytes
+    )
 
 
 def _sdpa_kernel(backend: str | None) -> contextlib.AbstractContextManager:
@@ -212,15 +235,9 @@ def estimate(
             ) from e
         tracker.mark_outputs(out)
         out = gm.graph.process_outputs(out)
-        # The loss step is not a graph node: charge it to the last node, forward and backward.
-        tracker.node, tracker.phase, tracker.outside_node = last, "fwd", True
-        loss_seg = Segment(start_bytes=tracker.live_bytes)
-        tracker.peak_bytes = tracker.live_bytes
-        with loss_on_fake_tensors():
+        with _charged_to(tracker, last), loss_on_fake_tensors():
             loss = training_loss(out, loss_fn, fake_batch, warn=True)
-        tracker.outside_node = False
-        loss_seg.peak_above_start_bytes = tracker.peak_bytes - loss_seg.start_bytes
-        tracker.claim([loss], last)
+        tracker.claim([loss], last)  # and its backward
         del out
         tracker.release_casts(last)
         forward.close()
@@ -232,10 +249,6 @@ def estimate(
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
     for i, record in enumerate(tracker.records):
         record.fwd_calls = tracker.call_counts.get(("fwd", i), 0)
-    # The loss step is charged to the last node's forward working set.
-    seg = tracker.records[last].fwd
-    loss_above = loss_seg.start_bytes - seg.start_bytes + loss_seg.peak_above_start_bytes
-    seg.peak_above_start_bytes = max(seg.peak_above_start_bytes, loss_above)
     backend = "math" if sdpa_backend else None
     graph = cost_graph(tracker, flat, rates, device, "fake tensors", backend)
     if not time_ops:

@@ -2,15 +2,17 @@
 
 ``passes/estimate.py`` (a captured graph, one record per fx node) and ``passes/eager.py`` (the
 model's own forward, one record per aten call) run the training step under ``FakeTensorMode``
-with a :class:`Tracker` beneath it. The tracker sees every aten operation and every storage it
-creates (a weakref finalizer on each storage says when it dies), and keeps per op: FLOPs, bytes
-moved, in-place writes, what it reads (:meth:`Tracker.enter_node`), its forward working set,
-output shapes and whether it only made views (:meth:`Tracker.exit_node`, an :class:`OpRecord`),
-and which autograd nodes it created (:meth:`Tracker.claim`), whose pre-hooks attribute the
-backward's memory to it (:class:`BackwardSegments`). Saves for backward (:meth:`Tracker.saving`)
-are attributed to the node whose backward unpacks them, the one way that holds in both forms:
-autograd saves an eager op's inputs before the op reaches dispatch, where its record opens.
-``passes/costing.py`` turns a tracker's records into a CostGraph.
+with a :class:`Tracker` beneath it, both set up by :func:`fake_step`. The tracker sees every
+aten operation and every storage it creates (a weakref finalizer on each storage says when it
+dies), and keeps per op: FLOPs, bytes moved, in-place writes, what it reads
+(:meth:`Tracker.enter_node`), its forward working set, output shapes and whether it only made
+views (:meth:`Tracker.exit_node`, an :class:`OpRecord`), and which autograd nodes it created
+(:meth:`Tracker.claim`), whose pre-hooks attribute the backward's memory to it
+(:class:`BackwardSegments`). Saves for backward (:meth:`Tracker.saving`) are attributed to the
+node whose backward unpacks them, the one way that holds in both forms: autograd saves an eager
+op's inputs before the op reaches dispatch, where its record opens. The step's outputs live
+until backward (:meth:`Tracker.mark_outputs`). ``passes/costing.py`` turns a tracker's records
+into a CostGraph.
 """
 
 from __future__ import annotations
