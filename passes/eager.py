@@ -11,11 +11,10 @@ interval of each submodule call that may become a region applied in place.
 
 How: the step runs ONCE under ``FakeTensorMode`` with the tracker of ``passes/trace.py``, which
 here opens one record per aten op; ``passes/costing.py`` turns the records into the CostGraph,
-as for ``estimate``. Saves for backward: ``saved_tensors_hooks`` see each save, but autograd
-saves an op's inputs before the op reaches dispatch, so a save is attributed to the node whose
-backward unpacks it (or, never unpacked, the op that ran last). Backward: an op's grad_fn is
-attached after it returns from dispatch, so the previous ops' outputs (held by weakref only) are
-claimed as the next op starts (``Tracker.claim``).
+as for ``estimate``. An op's grad_fn is attached after it returns from dispatch, so the previous
+ops' outputs (held by weakref only) are claimed as the next op starts (``Tracker.claim``), and a
+save, which autograd makes before the op reaches dispatch, is attributed to the node whose
+backward unpacks it (``Tracker.saving``).
 
 Module calls: every submodule's ``forward`` is wrapped during the run (an instance attribute,
 removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -52,15 +51,13 @@ from planner.passes.step import (
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
-    floating_leaves,
-    join_input,
     loss_on_fake_tensors,
     model_input,
     precision_text,
     split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Storage, Tracker, fake_state, is_tensor, to_fake
+from planner.passes.trace import OpRecord, Tracker, fake_step, is_tensor
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.cuts import forbidden_cuts
 from planner.solvers.rates import DeviceProfile
@@ -100,25 +97,15 @@ class EagerGraph:
         return op, self.op_sequence(start, i).count(op)
 
 
-@dataclass(eq=False)
-class _Save:
-    storage: Storage | None  # None: a storage the tracker never saw
-    node: int  # the op that ran last when autograd saved it
-    allocated: int  # storages that op had allocated by then
-    owner: int | None = None  # the node whose backward unpacked it
-
-
 class _OpTracker(Tracker):
     """The tracker, opening one record per aten op of the forward and loss."""
 
     def __init__(self, record_calls: bool = False) -> None:
         super().__init__(record_calls)
         self.recording = False
-        self.internal = 0  # our own ops (detaching saves): not the model's
         self.path_stack: list[str] = []
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         self.pending: list[tuple[int, list[weakref.ref]]] = []
-        self.saves: list[_Save] = []
         self.failed_in: str | None = None  # the innermost module a failing forward ran
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
@@ -137,6 +124,9 @@ class _OpTracker(Tracker):
         self.claim_pending()
         i = len(self.records)
         path = self.path_stack[-1] if self.path_stack else None
+        # outside the model: the loss, its ops nodes of their own (``step:...``), which no
+        # region holds (regions are module calls); the graph form, whose every node may be in
+        # a region, charges them to its last node instead (``estimate._charged_to``)
         prefix = ("model" if path == "" else path) if path is not None else "step"
         short = func._overloadpacket.__name__
         name = f"{prefix}:{short}:{self.counts[(prefix, short)]}"
@@ -156,32 +146,6 @@ class _OpTracker(Tracker):
         for i, refs in self.pending:
             self.claim([t for ref in refs if (t := ref()) is not None], i)
         self.pending.clear()
-
-    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
-        node = self.node
-        self.saves.append(_Save(self.lookup(t), node, len(self.allocated[("fwd", node)])))
-        self.internal += 1
-        try:
-            # detached: a saved copy pointing back at its grad_fn would form a reference cycle
-            # and keep storages alive past the moment autograd really frees them
-            return len(self.saves) - 1, t.detach()
-        finally:
-            self.internal -= 1
-
-    def unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
-        k, t = packed
-        save = self.saves[k]
-        if save.owner is None and self.phase == "bwd":
-            save.owner = self.node
-        return t
-
-    def resolve_saves(self) -> None:
-        for s in self.saves:
-            owner = s.node if s.owner is None else s.owner
-            if owner < 0:
-                continue
-            # Inputs are saved before the op allocates anything, outputs after.
-            self.note_save(s.storage, owner, s.allocated if owner == s.node else 0)
 
 
 class _CallRecorder(ForwardWrapper):
@@ -333,35 +297,22 @@ def eager_graph(
     step's aten calls on the model's real device (from ``timer``, a device's calibration),
     fitted to its measured step if given.
     """
-    args, kwargs = split_input(example_input)
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = fake_state(mode, model)
-    fake_args = [to_fake(mode, a) for a in args]
-    fake_kwargs = {k: to_fake(mode, v) for k, v in kwargs.items()}
-    fake_batch = join_input(example_input, tuple(fake_args), fake_kwargs)
-    call_args, call_kwargs = model_input(model, fake_batch, loss_fn)
-    device = next((t.device for t in [*model.parameters(), *model.buffers()]), None)
-    device = device or torch.device("cpu")
-    if time_ops and device.type == "meta":
-        raise ValueError("time_ops needs the model on a real device (cpu or cuda), not meta")
     tracker = _OpTracker(record_calls=time_ops)
-    for t in [*state.values(), *tree_leaves((fake_args, fake_kwargs))]:
-        tracker.register_external(t)
-
+    fs = fake_step(model, example_input, tracker)
+    call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
+    _, kwargs = split_input(example_input)
     with (
         _mask_decisions_as_eager(kwargs),
-        torch.nn.utils.stateless._reparametrize_module(model, state),
         _recording_calls(model, tracker) as calls,
-        mode,
-        tracker,
+        fs.running(),
     ):
         tracker.recording = True
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        with tracker.saving():
             try:
                 with amp_forward():
                     out = model(*call_args, **call_kwargs)
                     with loss_on_fake_tensors():
-                        loss = training_loss(out, loss_fn, fake_batch, warn=True)
+                        loss = training_loss(out, loss_fn, fs.batch, warn=True)
                     tracker.release_casts(len(tracker.records) - 1)
             except data_dependent_errors() as e:
                 where = tracker.failed_in
@@ -371,26 +322,23 @@ def eager_graph(
         tracker.recording = False
         if not tracker.records:
             raise ValueError(f"{type(model).__name__}'s forward ran no tensor operation")
-        for t in floating_leaves(out):
-            if (rec := tracker.lookup(t)) is not None:
-                rec.is_output = True
+        tracker.mark_outputs(out)
         del out
         tracker.backward(loss, len(tracker.records) - 1)
         del loss
-    tracker.resolve_saves()
     buffer_of = {
         id(rec): name
         for name in dict(model.named_buffers(remove_duplicate=False))
-        if (rec := tracker.lookup(state[name])) is not None
+        if (rec := tracker.lookup(fs.state[name])) is not None
     }
     # node -> the model state it writes, by buffer name (None: state that is no buffer)
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
 
-    graph = cost_graph(tracker, (args, kwargs), rates, device, "fake tensors, eager")
+    graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
     graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
     if time_ops:
-        graph = with_measured_times(graph, tracker, device, rates, step_time, timer)
+        graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
     return _candidates(model, graph, calls, written, tracker.aliased_args)
 
 

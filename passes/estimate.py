@@ -8,8 +8,8 @@ How: the step (forward, loss per ``passes/step.training_loss``, backward) runs O
 ``FakeTensorMode``, so no real memory is allocated and no real arithmetic is done, which is what
 lets a 7B-parameter shape be priced on a laptop, with the tracker of ``passes/trace.py`` beneath
 it. The forward runs node by node (an fx Interpreter), one tracker record per graph node (the
-loss step is charged to the last node); autograd saves are attributed to the node running, and
-the backward to forward nodes through pre-hooks on the autograd nodes each created.
+loss step is charged to the last node); autograd saves and the backward are attributed to
+forward nodes as in the eager estimator (``passes/trace.py``).
 ``passes/costing.py`` turns the records into the CostGraph (the same step as the eager
 estimator's), timed by the device rates the caller passes.
 
@@ -21,14 +21,13 @@ Sizes are those of the device and dtypes the step really runs with: CPU, CUDA or
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._pytree import tree_flatten_spec
-from torch.utils._pytree import tree_leaves
 
 from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.nodes import module_path
@@ -38,12 +37,10 @@ from planner.passes.step import (
     amp_forward,
     data_dependent_error,
     data_dependent_errors,
-    join_input,
     loss_on_fake_tensors,
-    split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Segment, Tracker, fake_state, is_tensor, to_fake
+from planner.passes.trace import FakeStep, OpRecord, Tracker, fake_step, is_tensor
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.rates import DeviceProfile
 
@@ -62,13 +59,7 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 class _Step(fx.Interpreter):
     """Runs the forward node by node under the tracker, one record per compute node."""
 
-    def __init__(
-        self,
-        gm: fx.GraphModule,
-        tracker: Tracker,
-        index: dict[fx.Node, int],
-        fake_mode: FakeTensorMode,
-    ):
+    def __init__(self, gm: fx.GraphModule, step: FakeStep, index: dict[fx.Node, int]):
         super().__init__(gm)
         # fx.Interpreter frees a value after its last user, so one with no user (an unused
         # select export leaves behind) stayed in its env to the end, holding the storage it
@@ -76,11 +67,10 @@ class _Step(fx.Interpreter):
         for node in gm.graph.nodes:
             if not node.users and node.op != "output":
                 self.user_to_last_uses.setdefault(node, []).append(node)
-        self.tracker = tracker
-        self.fake_mode = fake_mode
+        self.step = step
+        self.tracker = step.tracker
         self.constants: dict[str, torch.Tensor] = {}
         self.index = index
-        self.in_node = False  # a graph node's forward is running (not the loss step)
 
     def fetch_attr(self, target: str) -> Any:
         # Tensor constants that are neither parameters nor buffers (export's lifted constants,
@@ -88,8 +78,7 @@ class _Step(fx.Interpreter):
         value = super().fetch_attr(target)
         if is_tensor(value) and not isinstance(value, FakeTensor):
             if target not in self.constants:
-                self.constants[target] = self.fake_mode.from_tensor(value, static_shapes=True)
-                self.tracker.register_external(self.constants[target])
+                self.constants[target] = self.step.fake(value)
             value = self.constants[target]
         return value
 
@@ -99,20 +88,32 @@ class _Step(fx.Interpreter):
             return super().run_node(n)
         tr = self.tracker
         read, _, seg = tr.enter_node(i, [self.env[a] for a in n.all_input_nodes])
-        self.in_node = True
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
-            out = super().run_node(n)
-        self.in_node = False
+        out = super().run_node(n)
         tr.claim(tr.exit_node(tr.records[i], read, seg, out), i)
         return out
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        tr = self.tracker
-        allocated = len(tr.allocated[("fwd", tr.node)]) if self.in_node else None
-        tr.note_save(tr.lookup(t), tr.node, allocated)
-        # detach: the saved copy must not point back at its grad_fn (a reference cycle would
-        # keep storages alive past the moment autograd really frees them).
-        return t.detach()
+
+@contextlib.contextmanager
+def _charged_to(tracker: Tracker, last: int) -> Iterator[None]:
+    """Run the loss step as part of node ``last``'s forward: its FLOPs, traffic and working
+    set (its saves do not move the node's last save: recomputing the node runs no loss).
+
+    Needed in this form only. Here the CostGraph's nodes are the GraphModule's compute nodes,
+    one to one (``compute_nodes``: regions are named by them), and a graph solver may place a
+    region over any run of nodes; the loss runs outside the GraphModule, so a node of its own
+    would be one no region could checkpoint. The eager estimator records the loss's aten ops as
+    nodes of their own (``step:...``): its regions are module calls, which never hold them.
+    """
+    tracker.node, tracker.phase, tracker.outside_node = last, "fwd", True
+    tracker.peak_bytes = tracker.live_bytes
+    try:
+        yield
+    finally:
+        tracker.outside_node = False
+    seg = tracker.records[last].fwd
+    seg.peak_above_start_bytes = max(
+        seg.peak_above_start_bytes, tracker.peak_bytes - seg.start_bytes
+    )
 
 
 def _sdpa_kernel(backend: str | None) -> contextlib.AbstractContextManager:
@@ -129,10 +130,6 @@ def _sdpa_kernel(backend: str | None) -> contextlib.AbstractContextManager:
     if backend not in names:
         raise ValueError(f"sdpa_backend must be one of {sorted(names)} or None, got {backend!r}")
     return sdpa_kernel([names[backend]])
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
@@ -199,27 +196,12 @@ def estimate(
     index = {n: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
 
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = fake_state(mode, gm)
-    flat = [to_fake(mode, x) for x in _flatten_inputs(gm, args, kwargs)]
     if batch is None:
         batch = dict(kwargs) if kwargs else tuple(args)
-    batch_args, batch_kwargs = split_input(batch)
-    fake_batch = join_input(
-        batch,
-        tuple(to_fake(mode, a) for a in batch_args),
-        {k: to_fake(mode, v) for k, v in batch_kwargs.items()},
-    )
-
-    device = _device_of(gm, flat)
-    if time_ops and device.type == "meta":
-        raise ValueError(
-            "time_ops needs the model and input on a real device (cpu or cuda), not meta; "
-            "price a meta model by a device profile (rates=...) instead"
-        )
-    tracker = Tracker(record_calls=time_ops)
-    for t in [*state.values(), *flat, *tree_leaves(fake_batch)]:
-        tracker.register_external(t)
+    fs = fake_step(gm, batch, Tracker(record_calls=time_ops))
+    # what the graph takes, flattened to its placeholders (a part of the batch)
+    flat = [fs.fake(x) for x in _flatten_inputs(gm, args, kwargs)]
+    tracker, device, fake_batch = fs.tracker, fs.device, fs.batch
     tracker.records = [
         OpRecord(
             name=n.name,
@@ -230,16 +212,11 @@ def estimate(
         )
         for n in nodes
     ]
-    step = _Step(gm, tracker, index, mode)
+    step = _Step(gm, fs, index)
 
-    with (
-        torch.nn.utils.stateless._reparametrize_module(gm, state),
-        _sdpa_kernel(sdpa_backend),
-        mode,
-        tracker,
-        contextlib.ExitStack() as forward,
-    ):
+    with _sdpa_kernel(sdpa_backend), fs.running(), contextlib.ExitStack() as forward:
         forward.enter_context(amp_forward())  # to the loss (passes/step.py)
+        forward.enter_context(tracker.saving())
         try:
             out = step.run(*flat, enable_io_processing=False)
         except data_dependent_errors() as e:
@@ -256,19 +233,11 @@ def estimate(
                 "with. Capture and estimate inside the same torch.nn.attention.sdpa_kernel(...) "
                 "context you train with instead."
             ) from e
-        for t in tree_leaves(out):
-            if is_tensor(t) and (rec := tracker.lookup(t)) is not None:
-                rec.is_output = True
+        tracker.mark_outputs(out)
         out = gm.graph.process_outputs(out)
-        # The loss step is not a graph node: charge it to the last node, forward and backward.
-        tracker.node, tracker.phase = last, "fwd"
-        loss_seg = Segment(start_bytes=tracker.live_bytes)
-        tracker.peak_bytes = tracker.live_bytes
-        with torch.autograd.graph.saved_tensors_hooks(step._pack, _unpack):
-            with loss_on_fake_tensors():
-                loss = training_loss(out, loss_fn, fake_batch, warn=True)
-        loss_seg.peak_above_start_bytes = tracker.peak_bytes - loss_seg.start_bytes
-        tracker.claim([loss], last)
+        with _charged_to(tracker, last), loss_on_fake_tensors():
+            loss = training_loss(out, loss_fn, fake_batch, warn=True)
+        tracker.claim([loss], last)  # and its backward
         del out
         tracker.release_casts(last)
         forward.close()
@@ -280,19 +249,8 @@ def estimate(
         rates = DeviceProfile("custom", flops_per_s, bytes_per_s, bytes_per_s)
     for i, record in enumerate(tracker.records):
         record.fwd_calls = tracker.call_counts.get(("fwd", i), 0)
-    # The loss step is charged to the last node's forward working set.
-    seg = tracker.records[last].fwd
-    loss_above = loss_seg.start_bytes - seg.start_bytes + loss_seg.peak_above_start_bytes
-    seg.peak_above_start_bytes = max(seg.peak_above_start_bytes, loss_above)
     backend = "math" if sdpa_backend else None
     graph = cost_graph(tracker, flat, rates, device, "fake tensors", backend)
     if not time_ops:
         return graph
     return with_measured_times(graph, tracker, device, rates, step_time, timer)
-
-
-def _device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
-    for t in [*gm.parameters(), *gm.buffers(), *flat]:
-        if is_tensor(t):
-            return t.device
-    return torch.device("cpu")

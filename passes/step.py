@@ -115,15 +115,20 @@ def call(module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None = N
     return module(*args, **kwargs)
 
 
+def tensor_leaves(output: Any) -> list[torch.Tensor]:
+    """Tensors in a (nested) output, dicts and ModelOutputs included."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        return [t for v in output.values() for t in tensor_leaves(v)]
+    if isinstance(output, (tuple, list)):
+        return [t for v in output for t in tensor_leaves(v)]
+    return []
+
+
 def floating_leaves(output: Any) -> list[torch.Tensor]:
     """Floating-point tensors in a (nested) output, dicts and ModelOutputs included."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.is_floating_point() else []
-    if isinstance(output, Mapping):
-        return [t for v in output.values() for t in floating_leaves(v)]
-    if isinstance(output, (tuple, list)):
-        return [t for v in output for t in floating_leaves(v)]
-    return []
+    return [t for t in tensor_leaves(output) if t.is_floating_point()]
 
 
 def training_loss(

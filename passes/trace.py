@@ -2,13 +2,17 @@
 
 ``passes/estimate.py`` (a captured graph, one record per fx node) and ``passes/eager.py`` (the
 model's own forward, one record per aten call) run the training step under ``FakeTensorMode``
-with a :class:`Tracker` beneath it. The tracker sees every aten operation and every storage it
-creates (a weakref finalizer on each storage says when it dies), and keeps per op: FLOPs, bytes
-moved, in-place writes, what it reads (:meth:`Tracker.enter_node`), its forward working set,
-output shapes and whether it only made views (:meth:`Tracker.exit_node`, an :class:`OpRecord`),
-and which autograd nodes it created (:meth:`Tracker.claim`), whose pre-hooks attribute the
-backward's memory to it (:class:`BackwardSegments`). ``passes/costing.py`` turns a tracker's
-records into a CostGraph.
+with a :class:`Tracker` beneath it, both set up by :func:`fake_step`. The tracker sees every
+aten operation and every storage it creates (a weakref finalizer on each storage says when it
+dies), and keeps per op: FLOPs, bytes moved, in-place writes, what it reads
+(:meth:`Tracker.enter_node`), its forward working set, output shapes and whether it only made
+views (:meth:`Tracker.exit_node`, an :class:`OpRecord`), and which autograd nodes it created
+(:meth:`Tracker.claim`), whose pre-hooks attribute the backward's memory to it
+(:class:`BackwardSegments`). Saves for backward (:meth:`Tracker.saving`) are attributed to the
+node whose backward unpacks them, the one way that holds in both forms: autograd saves an eager
+op's inputs before the op reaches dispatch, where its record opens. The step's outputs live
+until backward (:meth:`Tracker.mark_outputs`). ``passes/costing.py`` turns a tracker's records
+into a CostGraph.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +33,13 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.passes.nodes import written_arguments
 from planner.passes.op_timing import OpCall, op_call
-from planner.passes.step import amp_backward, autocast_dtypes
+from planner.passes.step import (
+    amp_backward,
+    autocast_dtypes,
+    join_input,
+    split_input,
+    tensor_leaves,
+)
 
 _SDPA_BACKENDS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash",
@@ -105,6 +116,16 @@ class Storage:
     written_by: set[int] = field(default_factory=set)  # nodes writing it in place in forward
 
 
+@dataclass(eq=False)
+class Save:
+    """One tensor autograd saved for backward (mutable scratch; identity-compared)."""
+
+    storage: Storage | None  # None: a storage the tracker never saw
+    node: int  # the node running when autograd saved it
+    allocated: int | None  # storages that node's forward had allocated by then (None: outside it)
+    owner: int | None = None  # the node whose backward unpacked it
+
+
 def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
@@ -144,6 +165,11 @@ class Tracker(TorchDispatchMode):
         self.records: list[OpRecord] = []
         self.grad_fn_node: dict[Any, int] = {}
         self.segments = BackwardSegments(self)
+        self.saves: list[Save] = []
+        self.internal = 0  # the tracker's own ops (detaching saves) are running: not the model's
+        # ops run now are charged to ``node`` but are not its forward (the graph form's loss
+        # step): their saves do not move its last save
+        self.outside_node = False
 
     def _is_weight(self, t: Any) -> bool:
         """A parameter: what autocast caches the casts of (leaves that require grad)."""
@@ -281,6 +307,14 @@ class Tracker(TorchDispatchMode):
             g.register_prehook(functools.partial(_enter_backward, self.segments, i))
             stack.extend(f for f, _ in g.next_functions if f is not None)
 
+    def mark_outputs(self, out: Any) -> None:
+        """The step's forward returned ``out``: every tensor in it lives until the caller
+        releases it before backward (``Tensor.is_output``), floating or not, as the real step
+        holds the whole output (``planner/measurement.py``)."""
+        for t in tensor_leaves(out):
+            if (rec := self.lookup(t)) is not None:
+                rec.is_output = True
+
     def backward(self, loss: torch.Tensor, last: int) -> None:
         """Run the step's backward from ``loss``, attributed to forward nodes from ``last`` down
         (``loss``' own autograd nodes belong to ``last``)."""
@@ -291,8 +325,45 @@ class Tracker(TorchDispatchMode):
         with amp_backward():
             loss.backward()
         self.segments.close()
+        self._resolve_saves()
 
-    def note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
+    def saving(self) -> AbstractContextManager:
+        """Autograd's saves for backward seen by the tracker (run the forward and the loss
+        under it): each is attributed when :meth:`backward` unpacks it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
+        node = self.node
+        allocated = None if self.outside_node else len(self.allocated[("fwd", node)])
+        self.saves.append(Save(self.lookup(t), node, allocated))
+        self.internal += 1
+        try:
+            # detached: a saved copy pointing back at its grad_fn would form a reference cycle
+            # and keep storages alive past the moment autograd really frees them
+            return len(self.saves) - 1, t.detach()
+        finally:
+            self.internal -= 1
+
+    def _unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
+        k, t = packed
+        save = self.saves[k]
+        if save.owner is None and self.phase == "bwd":
+            save.owner = self.node
+        return t
+
+    def _resolve_saves(self) -> None:
+        """Each save belongs to the node whose backward unpacked it (never unpacked: the node
+        running when it was saved). In eager code an op's inputs are saved before the op
+        reaches dispatch, so while the previous op is still the running node; in a graph the
+        node runs before autograd and both are the same node."""
+        for s in self.saves:
+            owner = s.node if s.owner is None else s.owner
+            if owner < 0:
+                continue
+            # Inputs are saved before the op allocates anything, outputs after.
+            self._note_save(s.storage, owner, s.allocated if owner == s.node else 0)
+
+    def _note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
         """Autograd saved ``rec`` for node ``owner``'s backward. ``allocated``: the storages
         ``owner``'s forward had allocated by then (None: not during its forward)."""
         if rec is not None and rec.node >= 0:
@@ -346,6 +417,58 @@ def fake_state(mode: FakeTensorMode, module: torch.nn.Module) -> dict[str, Any]:
     state = {k: to_fake(mode, v) for k, v in module.named_parameters(remove_duplicate=False)}
     state.update({k: to_fake(mode, v) for k, v in module.named_buffers(remove_duplicate=False)})
     return state
+
+
+@dataclass(eq=False)
+class FakeStep:
+    """What both estimators run a step on: one fake mode, ``module``'s parameters and buffers
+    and the example input (``batch``) faked in it, the device the step runs on, and the tracker,
+    which counts all of those as the baseline (:func:`fake_step`)."""
+
+    module: torch.nn.Module
+    mode: FakeTensorMode
+    state: dict[str, Any]  # fake parameters and buffers, by name (``fake_state``)
+    batch: Any  # the example input, faked, in its own shape
+    device: torch.device
+    tracker: Tracker
+
+    def fake(self, x: Any) -> Any:
+        """``x`` faked in this mode (memoised: the same fake tensor for the same tensor), and
+        counted as the baseline: a further input, a constant."""
+        x = to_fake(self.mode, x)
+        self.tracker.register_external(x)
+        return x
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Run ``module`` on its fake state, under the fake mode, with the tracker beneath."""
+        with (
+            torch.nn.utils.stateless._reparametrize_module(self.module, self.state),
+            self.mode,
+            self.tracker,
+        ):
+            yield
+
+
+def fake_step(module: torch.nn.Module, batch: Any, tracker: Tracker) -> FakeStep:
+    """The :class:`FakeStep` of ``module`` on the example input ``batch`` (a tensor, a tuple
+    or a dict of them), traced by ``tracker`` (which needs a real device to time the calls on
+    if it records them)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    state = fake_state(mode, module)
+    args, kwargs = split_input(batch)
+    fake_args = tuple(to_fake(mode, a) for a in args)
+    fake_batch = join_input(batch, fake_args, {k: to_fake(mode, v) for k, v in kwargs.items()})
+    tensors = [*module.parameters(), *module.buffers(), *tree_leaves((args, kwargs))]
+    device = next((t.device for t in tensors if is_tensor(t)), torch.device("cpu"))
+    if tracker.record_calls and device.type == "meta":
+        raise ValueError(
+            "time_ops needs the model and input on a real device (cpu or cuda), not meta; "
+            "price a meta model by a device profile (rates=...) instead"
+        )
+    for t in [*state.values(), *tree_leaves(fake_batch)]:
+        tracker.register_external(t)
+    return FakeStep(module, mode, state, fake_batch, device, tracker)
 
 
 class BackwardSegments:

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from planner.file_format import check_header
 from planner.passes.op_timing import (
     CheckpointOverhead,
     DeviceTiming,
@@ -138,13 +139,10 @@ class Calibration:
 
     @classmethod
     def from_json(cls, body: Any, where: str = "the calibration") -> Calibration:
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
-            raise CalibrationError(f"{where} is not a planner calibration (no {FORMAT!r} format)")
-        if body.get("version") != VERSION:
-            raise CalibrationError(
-                f"{where} has calibration format version {body.get('version')!r}, this planner "
-                f"reads version {VERSION}; delete it and plan again to calibrate anew"
-            )
+        fix = "Delete it and plan again to calibrate anew."
+        body = check_header(
+            body, FORMAT, VERSION, CalibrationError, where=where, kind="calibration", fix=fix
+        )
         try:
             ck = body["checkpoint"]
             return cls(

@@ -22,6 +22,7 @@ from typing import Any, get_type_hints
 import torch
 
 from planner import plans
+from planner.file_format import check_header
 from planner.plans import Plan, Region
 from planner.solvers.errors import PlanFileError
 
@@ -95,13 +96,7 @@ def read_plan_body(path: str | Path) -> dict[str, Any]:
         raise PlanFileError(f"cannot read plan file {path}: {e.strerror}. {FIX}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanFileError(f"{path} is not valid JSON (truncated or corrupt?): {e}. {FIX}") from e
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise PlanFileError(f"{path} is not a planner plan file. {FIX}")
-    if body.get("version") != VERSION:
-        raise PlanFileError(
-            f"{path} has plan format version {body.get('version')!r}; this planner reads "
-            f"version {VERSION}. {FIX}"
-        )
+    check_header(body, FORMAT, VERSION, PlanFileError, where=str(path), kind="plan file", fix=FIX)
     checksum = body.pop("checksum", None)
     if checksum != _checksum(body):
         raise PlanFileError(

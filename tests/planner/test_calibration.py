@@ -174,6 +174,12 @@ def test_a_bad_calibration_is_a_clear_error(cache, tmp_path):
     bad.write_text("{not json")
     with pytest.raises(CalibrationError, match="not JSON"):
         planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
+    bad.write_text(json.dumps({"format": "planner-plan", "version": 1}))
+    with pytest.raises(CalibrationError, match="not a planner calibration"):
+        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
+    bad.write_text(json.dumps({"format": "planner-calibration", "version": 99}))
+    with pytest.raises(CalibrationError, match="version 99.*calibrate anew"):
+        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
     bad.write_text(json.dumps({"format": "planner-calibration", "version": 1}))
     with pytest.raises(CalibrationError, match="malformed field"):
         planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
