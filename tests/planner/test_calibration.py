@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from planner.calibration import MEASUREMENTS, Calibration, CalibrationError
 from planner.devices import profile_of_model
 from planner.fsdp import per_rank
 from planner.passes.eager import eager_graph
+from planner.passes.op_timing import CheckpointOverhead, TensorSpec
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 
@@ -308,9 +310,9 @@ def test_a_batch_sweep_prices_larger_batches_from_smaller_ones(cache, monkeypatc
     seen: list[list] = []
     timed = calibration._time_missing
 
-    def recording(cal, calls, device, scaled=None):
+    def recording(cal, calls, device, *args):
         seen.append(list(calls))
-        return timed(cal, calls, device, scaled)
+        return timed(cal, calls, device, *args)
 
     monkeypatch.setattr(calibration, "_time_missing", recording)
     monkeypatch.setattr(calibration, "SCALE_MIN_S", 0.0)  # the tiny model's calls all scale
@@ -339,3 +341,43 @@ def test_a_batch_sweep_prices_larger_batches_from_smaller_ones(cache, monkeypatc
         assert len(found) <= 2, (op, found)
     # a weight's call (the same at both sizes) is the calibration's one figure, not scaled
     assert all(s.key_text not in scaled for s in small)
+
+
+def test_a_sweep_times_again_a_call_priced_far_above_its_smaller_counterpart(cache, monkeypatch):
+    """A burst of load while one batch size's calls are timed (GPT-ref's batch 2 was once
+    priced at 3x batch 1, and fit_batch took batch 1, the slowest) must not price that size:
+    a call timed at over RETIME_JUMP times its counterpart at the smaller batch, scaled by
+    their sizes, is timed again, so per sample the predicted steps stay in line. Ops are
+    timed by a fixed fake (time proportional to the elements read) whose first timing of each
+    call at batch 4 is 3x: no timing noise, the same result every run."""
+    monkeypatch.setattr(calibration, "SMALL_STEP_S", 0.0)  # no whole-step timing
+    monkeypatch.setattr(calibration, "measure_call_overhead_s", lambda device: 0.0)
+    monkeypatch.setattr(
+        calibration, "measure_checkpoint_overhead", lambda device: CheckpointOverhead()
+    )
+    burst = {"on": False, "hit": set()}
+
+    def fake_time_call(call, device, repeats=5):
+        numel = sum(math.prod(x.shape) for x in call.leaves if isinstance(x, TensorSpec))
+        seconds = 1e-6 + 1e-7 * numel
+        if burst["on"] and call.key_text not in burst["hit"]:
+            burst["hit"].add(call.key_text)
+            return 3 * seconds
+        return seconds
+
+    monkeypatch.setattr(calibration, "time_call", fake_time_call)
+
+    def make_input(batch: int):
+        burst["on"] = batch == 4  # fit_batch makes each size's input just before pricing it
+        return _example(batch)[1]
+
+    model, _ = _example()
+    fit = planner.fit_batch(model, make_input, 1.0, batch_sizes=[1, 2, 4], progress=False)
+    assert burst["hit"], "the burst should have hit batch 4's new calls"
+    steps_s = [r.eager_step_time_s for r in fit.rows]
+    per_sample_s = [s / r.batch_size for s, r in zip(steps_s, fit.rows)]
+    assert steps_s == sorted(steps_s)
+    # the fake's time per element is fixed: per sample, a larger batch is no slower
+    assert per_sample_s[2] <= 1.05 * per_sample_s[1], per_sample_s
+    assert fit.best_batch_size == 4
+    assert MEASUREMENTS["retimed"] > 0
