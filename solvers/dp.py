@@ -1323,11 +1323,11 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     answers nothing: with no level done, dp answers with ``greedy``'s schedule; the note says
     so.
     """
-    # dp's time limit is this process's CPU time (dp is one Python thread): other jobs on the
-    # machine stretch its wall time, not its work, and must not cut a level short that a
-    # quiet machine finishes (and so change the plan).
-    start = time.process_time()
-    deadline = start + options.time_limit_s
+    # dp's time limit is this process's CPU time, as every solver's (SolverOptions.deadline):
+    # other jobs on the machine stretch its wall time, not its work, and must not cut a level
+    # short that a quiet machine finishes (and so change the plan).
+    deadline = options.deadline()
+    start = deadline - options.time_limit_s
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)

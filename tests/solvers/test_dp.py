@@ -287,12 +287,14 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
     import types
 
     import planner.solvers.dp as dp
+    import planner.solvers.registry as registry
 
     graph = random_chain(random.Random(3), 600)
     budget = 0.6 * simulate(graph, Schedule()).peak_bytes
     clock = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: clock[0], process_time=lambda: clock[0])
     monkeypatch.setattr(dp, "time", fake)
+    monkeypatch.setattr(registry, "time", fake)  # SolverOptions.deadline: the one clock
 
     class FakeWork:
         states = cells = 0
