@@ -61,6 +61,9 @@ FIT_MODELS = ("gpt2", "llama", "cnn", "transformer_encoder")
 FIT_CAP_FRACTION = 0.75
 QUICK_MODELS = ("llama", "mistral", "bloom", "bart", "cnn", "unet")
 PROFILE = "cpu"
+# A form whose least-feasible probe (auto at 1 B) was cut short before it knew the least: no
+# budgets to spread, one point saying so (InfeasibleBudgetError.min_bytes is None).
+LEAST_UNKNOWN = "least unknown (solver cut short)"
 
 
 def known_cause(p: Point) -> str | None:
@@ -247,11 +250,16 @@ class _Priced:
             self.priced = price(model, x, device=profile)
             self.graph = self.priced.graph
         self.eager_bytes = simulate(self.graph, Schedule()).peak_bytes
+        # None: the probe was cut short before it knew (LEAST_UNKNOWN); its error in probe_note
+        self.least_bytes: int | None = None
+        self.probe_note = ""
         try:
             solve(self.graph, 1, "auto", "time", None)
             raise AssertionError("a 1-byte budget was met")
         except planner.InfeasibleBudgetError as e:
-            self.least_bytes = int(e.min_bytes)
+            if e.min_bytes is not None:
+                self.least_bytes = int(e.min_bytes)
+            self.probe_note = _failure(e)
 
     def plan(self, budget_bytes: int, objective: str) -> Any:
         if self.form == "inplace":
@@ -301,6 +309,19 @@ def sweep_model(
             )
             continue
         eager_error = (priced.eager_bytes - eager_measured) / eager_measured
+        if priced.least_bytes is None:
+            failure = f"{LEAST_UNKNOWN}: {priced.probe_note}"
+            points.append(
+                Point(
+                    **base,
+                    objective="-",
+                    budget_bytes=0,
+                    budget_fraction=0.0,
+                    eager_error=eager_error,
+                    failure=failure,
+                )
+            )
+            continue
         top = max(priced.eager_bytes, eager_measured)
         measured: dict[tuple, tuple[int, int]] = {}
         for budget_bytes in budgets(priced.least_bytes, top, n_budgets):
