@@ -71,15 +71,6 @@ def known_cause(p: Point) -> str | None:
     report then says what the point itself shows (nested regions, the no-checkpoint prediction
     off, MemTracker disagreeing)."""
     under_bytes = p.measured_bytes - p.predicted_bytes
-    if p.failure.startswith("InfeasibleBudgetError") and p.model == "t5" and p.form == "inplace":
-        return (
-            "dp on T5's 582-node in-place graph states its least feasible budget at once when "
-            "asked for 1 B (1,678,344 B), but at that budget and up to 59% of eager it spent its "
-            "own 60 s time limit (machine at load ~13) before any level fitted (dp re-run at "
-            "29% and 59%: infeasible after 50 s, both objectives, least feasible unknown; "
-            "auto's time_limit_s=300 does not raise dp's own limit); auto then states the "
-            "no-checkpoint peak as the least feasible budget, which misleads"
-        )
     if p.failure.startswith("InfeasibleBudgetError") and p.form == "graph":
         return (
             "the least feasible budget auto stated (solving at 1 B) was not reached by the next "
