@@ -77,6 +77,7 @@ programme assumes every tensor a node saves is one it reads or produces (true of
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import sys
 import time
@@ -1165,13 +1166,32 @@ def solve_all(
         graph.region_spans,
         graph.host_link if options.offload is None else options.offload,
     )
+    return _run(graph, prog)
+
+
+def _run(graph: CostGraph, prog: _Programme) -> Solved:
+    n = prog.p.n
     limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
+    sys.setrecursionlimit(max(limit, 20 * n + 1000))
     try:
-        root = prog.value(0, p.n, (), True, True, 0)
+        root = prog.value(0, n, (), True, True, 0)
     finally:
         sys.setrecursionlimit(limit)
     return Solved(graph, prog, root)
+
+
+def without_selective(solved: Solved) -> Solved:
+    """``solved``'s programme run again without selective regions, as :func:`solve_all` with
+    ``selective=False`` and the same cap would, sharing every state of a region context
+    instead of solving it again: only root states offer selective regions (``value_at``), and
+    nothing else about a state depends on ``selective``, so a region context's value and
+    choices are the same (T5 in place: 439 of the 547 states). The root's are solved again."""
+    prog = solved.programme
+    root = {i for desc, i in prog._ids.items() if desc[0] == "root"}
+    again = copy.copy(prog)  # its caches of what does not depend on the state are shared too
+    again.memo = {key: got for key, got in prog.memo.items() if key not in root}
+    again.selective = False
+    return _run(solved.graph, again)
 
 
 def least_memory_schedule(
@@ -1284,9 +1304,13 @@ def _solve_within(
     # answers that fit by simulate, of the space with selective regions and without
     fits: list[tuple[float, tuple[Region, ...], float | None, bool]] = []
     unit_bytes = 1
+    solved: Solved | None = None
     for with_selective in (True, False) if options.selective else (False,):
-        opts = replace(options, selective=with_selective)
-        solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
+        if solved is None:
+            opts = replace(options, selective=with_selective)
+            solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
+        else:  # the same programme without selective regions, its region contexts shared
+            solved = without_selective(solved)
         unit_bytes = max(unit_bytes, solved.unit_bytes)
         schedule = solved.schedule(budget_bytes)
         if schedule is None:
@@ -1299,7 +1323,6 @@ def _solve_within(
         # simulate prices it higher (selective recomputation, or what dp does not price
         # exactly): the schedules dp's table picks at lower budgets, no further solve
         tight = _tightened(graph, solved, budget_bytes, sim.peak_bytes)
-        solved = None  # its table (hundreds of MB on a fine grid) goes before the next solve
         if tight is not None:
             fits.append((tight[0], tight[1], None, True))
     if fits:
