@@ -97,3 +97,26 @@ def test_auto_under_a_busy_loop_gives_the_quiet_plan_and_least():
             proc.wait()
     assert loaded[0][:2] == quiet[0][:2]
     assert loaded[1] == quiet[1]
+
+
+def test_cbc_counts_what_is_left_of_the_limit_in_its_own_cpu_time(monkeypatch):
+    """CBC runs as a subprocess, whose CPU time this process's clock does not see: ilp hands
+    it the CPU time left of its limit and has it count that in its own CPU time (pulp's
+    ``timeMode="cpu"``; its default is the wall clock), as cbc's command line says."""
+    import pulp
+
+    made: list = []
+    cbc = pulp.PULP_CBC_CMD
+
+    def spy(*args, **kwargs):
+        made.append(cbc(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(pulp, "PULP_CBC_CMD", spy)
+    budget = 0.7 * simulate(CHAIN, Schedule()).peak_bytes
+    start = time.process_time()
+    get_solver("ilp")(CHAIN, budget, backend="cbc", time_limit_s=30.0)
+    spent_s = time.process_time() - start
+    (solver,) = made
+    assert "timeMode cpu" in solver.getOptions()
+    assert 30.0 - spent_s <= solver.timeLimit <= 30.0
