@@ -61,6 +61,9 @@ FIT_MODELS = ("gpt2", "llama", "cnn", "transformer_encoder")
 FIT_CAP_FRACTION = 0.75
 QUICK_MODELS = ("llama", "mistral", "bloom", "bart", "cnn", "unet")
 PROFILE = "cpu"
+# A form whose least-feasible probe (auto at 1 B) was cut short before it knew the least: no
+# budgets to spread, one point saying so (InfeasibleBudgetError.min_bytes is None).
+LEAST_UNKNOWN = "least unknown (solver cut short)"
 
 
 def known_cause(p: Point) -> str | None:
@@ -68,15 +71,6 @@ def known_cause(p: Point) -> str | None:
     report then says what the point itself shows (nested regions, the no-checkpoint prediction
     off, MemTracker disagreeing)."""
     under_bytes = p.measured_bytes - p.predicted_bytes
-    if p.failure.startswith("InfeasibleBudgetError") and p.model == "t5" and p.form == "inplace":
-        return (
-            "dp on T5's 582-node in-place graph states its least feasible budget at once when "
-            "asked for 1 B (1,678,344 B), but at that budget and up to 59% of eager it spent its "
-            "own 60 s time limit (machine at load ~13) before any level fitted (dp re-run at "
-            "29% and 59%: infeasible after 50 s, both objectives, least feasible unknown; "
-            "auto's time_limit_s=300 does not raise dp's own limit); auto then states the "
-            "no-checkpoint peak as the least feasible budget, which misleads"
-        )
     if p.failure.startswith("InfeasibleBudgetError") and p.form == "graph":
         return (
             "the least feasible budget auto stated (solving at 1 B) was not reached by the next "
@@ -247,11 +241,16 @@ class _Priced:
             self.priced = price(model, x, device=profile)
             self.graph = self.priced.graph
         self.eager_bytes = simulate(self.graph, Schedule()).peak_bytes
+        # None: the probe was cut short before it knew (LEAST_UNKNOWN); its error in probe_note
+        self.least_bytes: int | None = None
+        self.probe_note = ""
         try:
             solve(self.graph, 1, "auto", "time", None)
             raise AssertionError("a 1-byte budget was met")
         except planner.InfeasibleBudgetError as e:
-            self.least_bytes = int(e.min_bytes)
+            if e.min_bytes is not None:
+                self.least_bytes = int(e.min_bytes)
+            self.probe_note = _failure(e)
 
     def plan(self, budget_bytes: int, objective: str) -> Any:
         if self.form == "inplace":
@@ -301,6 +300,19 @@ def sweep_model(
             )
             continue
         eager_error = (priced.eager_bytes - eager_measured) / eager_measured
+        if priced.least_bytes is None:
+            failure = f"{LEAST_UNKNOWN}: {priced.probe_note}"
+            points.append(
+                Point(
+                    **base,
+                    objective="-",
+                    budget_bytes=0,
+                    budget_fraction=0.0,
+                    eager_error=eager_error,
+                    failure=failure,
+                )
+            )
+            continue
         top = max(priced.eager_bytes, eager_measured)
         measured: dict[tuple, tuple[int, int]] = {}
         for budget_bytes in budgets(priced.least_bytes, top, n_budgets):

@@ -8,13 +8,14 @@ time each of the others adds to the step, and what the time limit cut short. On
 module-granular graphs (``CostGraph.region_spans``: plans applied in place) only the solvers
 that keep to the spans run: none, dp, ilp.
 
-Options: ``time_limit_s`` (default AUTO_TIME_LIMIT_S: the solve step of ``planner.plan``)
-bounds the whole call and is shared by the solvers in the order they run, the cheap ones
-first: ``greedy`` (anytime) gets at most GREEDY_SHARE of it, ``dp`` (anytime: coarse to fine,
-the best level done) what is left but ILP_SHARE when ``ilp`` runs after it. Each solver's own
-options go in the field named after it, as its options dataclass or a mapping of its keywords:
-``solve_auto(graph, budget, time_limit_s=30, dp={"max_span": 4})``, or through
-``planner.plan(model, x, 1.5, time_limit_s=30, dp={"max_span": 4})``.
+Options: ``time_limit_s`` (default AUTO_TIME_LIMIT_S: the solve step of ``planner.plan``; CPU
+time of this process, as every solver's: ``SolverOptions.deadline``) bounds the whole call and
+is shared by the solvers in the order they run, the cheap ones first: ``greedy`` (anytime) gets
+at most GREEDY_SHARE of it, ``dp`` (anytime: coarse to fine, the best level done) what is left
+but ILP_SHARE when ``ilp`` runs after it. Each solver's own options go in the field named after
+it, as its options dataclass or a mapping of its keywords: ``solve_auto(graph, budget,
+time_limit_s=30, dp={"max_span": 4})``, or through ``planner.plan(model, x, 1.5,
+time_limit_s=30, dp={"max_span": 4})``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
     unknown: list[str] = []  # cut short before they knew the least they reach
     cut_short: list[str] = []
     for k, name in enumerate(names):
-        left_s = deadline - time.perf_counter()
+        left_s = deadline - time.process_time()
         if left_s <= 0 and found:
             cut_short += [f"{n} not run" for n in names[k:]]
             break
@@ -89,7 +90,7 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
             # Mamba-128: 192 stages did; Mamba's 48 fit nothing, in 3 s).
             own = replace(own, first_stages=LEVEL_GROWTH * own.first_stages)
         own = replace(own, time_limit_s=max(0.0, min(own.time_limit_s, left_s)))
-        started = time.perf_counter()
+        started = time.process_time()
         try:
             schedule = get_solver(name)(graph, budget_bytes, own)
         except InfeasibleBudgetError as e:
@@ -97,7 +98,7 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
                 least = e.min_bytes if least is None else min(least, e.min_bytes)
             elif name != "none":
                 unknown.append(name)
-            if time.perf_counter() - started >= own.time_limit_s:
+            if time.process_time() - started >= own.time_limit_s:
                 cut_short.append(f"{name}: nothing within budget in its {time_limit_text(own)}")
             continue
         if schedule.solver != name or time_limit_text(own) in schedule.note:

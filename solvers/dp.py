@@ -76,6 +76,7 @@ programme assumes every tensor a node saves is one it reads or produces (true of
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import sys
 import time
@@ -1164,13 +1165,32 @@ def solve_all(
         graph.region_spans,
         graph.host_link if options.offload is None else options.offload,
     )
+    return _run(graph, prog)
+
+
+def _run(graph: CostGraph, prog: _Programme) -> Solved:
+    n = prog.p.n
     limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 20 * p.n + 1000))
+    sys.setrecursionlimit(max(limit, 20 * n + 1000))
     try:
-        root = prog.value(0, p.n, (), True, True, 0)
+        root = prog.value(0, n, (), True, True, 0)
     finally:
         sys.setrecursionlimit(limit)
     return Solved(graph, prog, root)
+
+
+def without_selective(solved: Solved) -> Solved:
+    """``solved``'s programme run again without selective regions, as :func:`solve_all` with
+    ``selective=False`` and the same cap would, sharing every state of a region context
+    instead of solving it again: only root states offer selective regions (``value_at``), and
+    nothing else about a state depends on ``selective``, so a region context's value and
+    choices are the same (T5 in place: 439 of the 547 states). The root's are solved again."""
+    prog = solved.programme
+    root = {i for desc, i in prog._ids.items() if desc[0] == "root"}
+    again = copy.copy(prog)  # its caches of what does not depend on the state are shared too
+    again.memo = {key: got for key, got in prog.memo.items() if key not in root}
+    again.selective = False
+    return _run(solved.graph, again)
 
 
 def least_memory_schedule(
@@ -1237,9 +1257,13 @@ def _solve_within(
     every = every and not any(nd.state_bytes for nd in graph.nodes)
     every = every and not any(t.freed_after > t.producer for t in graph.tensors)
     every = every and not graph.region_state_bytes
+    solved: Solved | None = None
     for with_selective in (True, False) if options.selective else (False,):
-        opts = replace(options, selective=with_selective)
-        solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
+        if solved is None:
+            opts = replace(options, selective=with_selective)
+            solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
+        else:  # the same programme without selective regions, its region contexts shared
+            solved = without_selective(solved)
         schedule = solved.schedule(budget_bytes)
         if schedule is None:
             break  # nothing of the space fits, nor of its part without selective regions
@@ -1323,11 +1347,11 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     answers nothing: with no level done, dp answers with ``greedy``'s schedule; the note says
     so.
     """
-    # dp's time limit is this process's CPU time (dp is one Python thread): other jobs on the
-    # machine stretch its wall time, not its work, and must not cut a level short that a
-    # quiet machine finishes (and so change the plan).
-    start = time.process_time()
-    deadline = start + options.time_limit_s
+    # dp's time limit is this process's CPU time, as every solver's (SolverOptions.deadline):
+    # other jobs on the machine stretch its wall time, not its work, and must not cut a level
+    # short that a quiet machine finishes (and so change the plan).
+    deadline = options.deadline()
+    start = deadline - options.time_limit_s
     eager = simulate(graph, Schedule()).peak_bytes
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)

@@ -77,7 +77,7 @@ def solve_greedy(graph: CostGraph, budget_bytes: float, options: GreedyOptions) 
     seen = set()
     tried = 0
     for k in range(n_thresholds + 1):
-        if tried and time.perf_counter() > deadline:
+        if tried and time.process_time() > deadline:
             break
         tried += 1
         threshold = lo * (hi / lo) ** (k / n_thresholds)

@@ -321,6 +321,11 @@ class Result:
 
 
 def solve_highs(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | None:
+    """HiGHS (scipy.optimize.milp, in this process). HiGHS counts ``time_limit_s`` on its own
+    timer, which is the wall clock (HighsTimer), and scipy gives it no CPU-time mode nor a
+    callback to stop it by ours: the one solver time limit not counted in CPU time. So a MILP
+    that HiGHS finishes (to ``rel_gap``) is the same under any load, while one the limit cuts
+    short may stop sooner on a loaded machine than on a quiet one."""
     from scipy.optimize import LinearConstraint, milp
     from scipy.sparse import csr_array
 
@@ -330,7 +335,7 @@ def solve_highs(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | Non
         data += list(row.values())
         ptr.append(len(cols))
     a = csr_array((data, cols, ptr), shape=(len(mdl.rows), len(mdl.cost)))
-    start = time.perf_counter()
+    start = time.perf_counter()  # reported only (Result.seconds), not a limit
     res = milp(
         np.array(mdl.cost),
         integrality=np.array(mdl.integer, dtype=int),
@@ -378,8 +383,13 @@ def solve_cbc(mdl: Model, time_limit_s: float, rel_gap: float) -> Result | None:
                 prob += expr >= lo
             if np.isfinite(hi):
                 prob += expr <= hi
-    start = time.perf_counter()
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=rel_gap))
+    # CBC runs as a subprocess: ``timeMode="cpu"`` has it count the time limit in its own CPU
+    # time (pulp's default counts the wall clock), the CPU time left of ilp's limit, which
+    # this process's clock (time.process_time) does not see: ilp's whole call then spends at
+    # most its limit in CPU time, its own and CBC's together.
+    start = time.perf_counter()  # reported only (Result.seconds), not a limit
+    cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=rel_gap, timeMode="cpu")
+    status = prob.solve(cbc)
     seconds = time.perf_counter() - start
     if pulp.LpStatus[status] not in ("Optimal", "Not Solved") or vs[0].varValue is None:
         return None
@@ -408,13 +418,15 @@ def warm_start(answer, regions: list[Region]) -> list[int] | None:
 
 @dataclass(frozen=True)
 class ILPOptions(SolverOptions):
-    """``backend``: "highs" (scipy.optimize.milp) or "cbc" (pulp); the search stops at
-    ``rel_gap`` or when ``time_limit_s`` (the whole call; dp's warm start may take half of
-    it) or ``milp_time_limit_s`` (the MILP search alone, None: what is left) runs out.
-    Candidates: every interval on small graphs, else spans of at most ``max_span`` boundaries
-    and those between coarse cuts (``coarse_cuts``, ``coarse_span`` as dp's). ``warm``: start
-    from dp's schedule. ``offload``: each candidate may also be an offload region (None: when
-    the graph's device has a host link, ``CostGraph.host_link``, as dp's)."""
+    """``backend``: "highs" (scipy.optimize.milp) or "cbc" (pulp); the search stops at ``rel_gap``
+    or when ``time_limit_s`` (the whole call, in CPU time: this process's, and CBC's own for its
+    search; HiGHS counts its search's share on the wall clock, :func:`solve_highs`; dp's warm
+    start may take half of it) or ``milp_time_limit_s`` (the MILP search alone, None: what is
+    left) runs out. Candidates: every interval on small graphs, else spans of at most
+    ``max_span`` boundaries and those between coarse cuts (``coarse_cuts``, ``coarse_span`` as
+    dp's). ``warm``: start from dp's schedule. ``offload``: each candidate may also be an
+    offload region (None: when the graph's device has a host link, ``CostGraph.host_link``, as
+    dp's)."""
 
     time_limit_s: float = 10.0
     milp_time_limit_s: float | None = None
@@ -438,7 +450,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
     answers when the MILP finds nothing better in time, and the gap reported in Schedule.gap
     is between the best schedule found and the MILP's proven lower bound.
     """
-    start = time.perf_counter()
+    deadline = options.deadline()  # CPU time of this process, as every solver's
     backend, time_limit_s, rel_gap = options.backend, options.time_limit_s, options.rel_gap
     if backend not in ("highs", "cbc"):
         raise ValueError(f"ilp backend {backend!r}: use 'highs' or 'cbc'")
@@ -465,7 +477,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
         upper = sum(mdl.cost[k] for k in incumbent)
         mdl.row({k: c for k, c in enumerate(mdl.cost[: len(x)]) if c}, hi=upper * (1 + 1e-9))
     solver = {"highs": solve_highs, "cbc": solve_cbc}[backend]
-    left_s = max(0.01, time_limit_s - (time.perf_counter() - start))
+    left_s = max(0.01, deadline - time.process_time())
     res = solver(mdl, min(left_s, options.milp_time_limit_s or left_s), rel_gap)
     if res is not None and res.chosen is None and incumbent is None:
         res = None  # a bound alone answers nothing
@@ -474,7 +486,7 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
         limit = f"the MILP's time limit ({options.milp_time_limit_s:g} s)"
     if res is None and incumbent is None:
         if answer is None:
-            left_s = max(0.01, time_limit_s - (time.perf_counter() - start))
+            left_s = max(0.01, deadline - time.process_time())
             answer = dp_answer(graph, budget_bytes, replace(dp, time_limit_s=left_s))
         if isinstance(answer, InfeasibleBudgetError):
             raise InfeasibleBudgetError(

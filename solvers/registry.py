@@ -35,14 +35,23 @@ DEFAULT_TIME_LIMIT_S = 60.0
 
 @dataclass(frozen=True)
 class SolverOptions:
-    """What every solver takes. ``time_limit_s``: the solver returns within about this long
-    (the exact ones stop searching and answer with the best schedule found so far)."""
+    """What every solver takes. ``time_limit_s``: the solver returns within about this much
+    CPU time of this process (the exact ones stop searching and answer with the best schedule
+    found so far).
+
+    Every solver time limit is counted on one clock, ``time.process_time()``, as
+    :class:`SharedTimeLimit` charges it: other jobs on the machine stretch a solve's wall time,
+    not its work, and must not cut it short where a quiet machine would not (and so change the
+    plan). The MILP backends ``ilp`` hands what is left to count it as near that as they can:
+    CBC (a subprocess) its own CPU time, HiGHS (in this process) its wall clock, the one it
+    has (:func:`planner.solvers.ilp.solve_highs`)."""
 
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
 
     def deadline(self) -> float:
-        """``time.perf_counter()`` value by which the solver must have answered."""
-        return time.perf_counter() + self.time_limit_s
+        """The ``time.process_time()`` value by which the solver must have answered: every
+        solver's clock (see the class)."""
+        return time.process_time() + self.time_limit_s
 
 
 class SharedTimeLimit:

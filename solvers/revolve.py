@@ -99,7 +99,7 @@ def solve_revolve(graph: CostGraph, budget_bytes: float, options: RevolveOptions
     counts = [snapshots] if snapshots else range(1, max(1, n_units) + 1)
     best, least, cut_short = None, None, False
     for s in counts:
-        if least is not None and time.perf_counter() > deadline:
+        if least is not None and time.process_time() > deadline:
             cut_short = True
             break
         t, s_max = least_sweeps(s, n_units), s

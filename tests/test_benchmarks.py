@@ -69,3 +69,25 @@ def test_inplace_verdicts_hold_each_row_to_the_issue_targets():
     assert "planner in place against the issue's targets:" in text
     assert "| in place at 50% | 370.00 | 371.00 |" in text  # measured, then predicted
     assert "| in place at SAC | 400.00 | — |" in text
+
+
+def test_conformance_reports_a_least_feasible_probe_cut_short_instead_of_crashing(monkeypatch):
+    """The sweep's least-feasible probe (auto at 1 B) cut short states no least budget
+    (``min_bytes`` None: T5 in place once): the form gets one point saying the least is
+    unknown, with the solver's words, and no grid; the report lists it among the misses."""
+    import benchmarks.conformance as conformance
+    from planner.solvers.errors import InfeasibleBudgetError
+
+    def cut_short(graph, budget_bytes, *args, **kwargs):
+        raise InfeasibleBudgetError(budget_bytes, None, "(solver 'auto': dp cut short)")
+
+    monkeypatch.setattr(conformance, "solve", cut_short)
+    points = conformance.sweep_model(
+        "cnn", forms=("inplace",), objectives=("time",), n_budgets=2, memtracker=False
+    )
+    assert len(points) == 1
+    (point,) = points
+    assert point.failure.startswith(conformance.LEAST_UNKNOWN + ": InfeasibleBudgetError")
+    assert "no solver finished in time" in point.failure and not point.conforms
+    text = conformance.report(points, "cmd", 1.0, "env")
+    assert "1 misses" in text and conformance.LEAST_UNKNOWN in text

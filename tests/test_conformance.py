@@ -69,6 +69,7 @@ def priced(model: str, form: str) -> tuple[_Priced, list[int]]:
         m, x = ZOO[model](2)
         eager_bytes, _ = _measured(m, x, memtracker=False)
         p = _Priced(m, x, form)
+        assert p.least_bytes is not None, p.probe_note  # the least-feasible probe cut short
         _PRICED[(model, form)] = (
             p,
             budgets(p.least_bytes, max(p.eager_bytes, eager_bytes), N_BUDGETS),

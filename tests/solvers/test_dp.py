@@ -287,12 +287,14 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
     import types
 
     import planner.solvers.dp as dp
+    import planner.solvers.registry as registry
 
     graph = random_chain(random.Random(3), 600)
     budget = 0.6 * simulate(graph, Schedule()).peak_bytes
     clock = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: clock[0], process_time=lambda: clock[0])
     monkeypatch.setattr(dp, "time", fake)
+    monkeypatch.setattr(registry, "time", fake)  # SolverOptions.deadline: the one clock
 
     class FakeWork:
         states = cells = 0
@@ -327,3 +329,34 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
     whole = solve_dp(graph, budget, time_limit_s=5.0, max_bounds=None)
     assert "192 stages not started" not in whole.note, whole.note
     assert "refining to all 601 boundaries not started" in whole.note, whole.note
+
+
+@pytest.mark.parametrize("spans", [False, True])
+@pytest.mark.parametrize("fraction", [0.7, 0.9])
+def test_a_pass_without_selective_regions_sharing_the_region_contexts_is_a_fresh_one(
+    spans, fraction
+):
+    """dp's second pass (``without_selective``: selective regions off, the first pass's region
+    contexts shared, the root's states solved again) holds the same values and picks the same
+    schedule at every budget as a programme solved afresh with ``selective=False``: on an
+    op-level graph and on one whose spans nest (module-granular, selective offered on every
+    span), at caps where selective regions change the first pass's values."""
+    from planner.solvers.cuts import block_spans
+    from planner.solvers.dp import without_selective
+
+    graph = gpt_like_graph(n_layer=2, d_model=32, seq_len=64, batch=2, vocab=64)
+    if spans:  # each block, its halves, and the two blocks together
+        blocks = block_spans(graph)
+        halves = {(a, (a + b) // 2) for a, b in blocks} | {((a + b) // 2, b) for a, b in blocks}
+        whole = (blocks[0][0], blocks[-1][1])
+        graph = replace(graph, region_spans=frozenset({*blocks, *halves, whole}))
+    cap = fraction * simulate(graph, Schedule()).peak_bytes
+    options = DPOptions(grid=512)
+    first = solve_all(graph, cap, options)
+    shared = without_selective(first)
+    fresh = solve_all(graph, cap, replace(options, selective=False))
+    assert (first.root_value != fresh.root_value).any()  # selective regions matter here
+    assert shared.root_value.tolist() == fresh.root_value.tolist()
+    for m in range(len(fresh.root_value)):
+        budget = m * fresh.unit_bytes
+        assert shared.schedule(budget) == fresh.schedule(budget), budget
