@@ -19,7 +19,10 @@ Rule 2. A region drops what its nodes save, but its checkpoint's frame keeps its
         arguments packed under the parent's hooks, so the parent's frame too), and a region
         whose nodes save nothing leaves no frame behind: its arguments live only through its
         forward (:func:`frame_node`). Measured: tests/planner/test_budget_promise.py. Graphs
-        without ``Node.saves_for_backward`` keep them to the region's backward's end.
+        without ``Node.saves_for_backward`` keep them to the region's backward's end. On the
+        safe side, not exact: the frame holds a selective region's unreached cache entries too,
+        which Rule 6 keeps to the region's backward's end, and a region nested in a
+        recomputation keeps Rule 3's lifetimes even when nothing in it saves.
 Rule 3. Nested arguments. The arguments of a region nested in a recomputation are tensors its
         parent recovered: they live until the nested region's own recomputation ends, longer
         only if a node in it saves them (checkpoint.py's Rule 2: inner inputs are saved to the
@@ -82,8 +85,9 @@ Rule 12. Each checkpoint call (recompute and selective regions) stashes
         tensors are detached, so the nested call's frame dies with it), and this holds too for
         the nested call at which the parent's recomputation stops (Rule 5: it stops as that
         call saves its inputs, after the stash). Recomputing a region holds one more copy (the
-        state ``fork_rng`` puts back afterwards) until its recomputation ends. (Traced on CPU against the measured
-        step, each RNG state's birth and death: tests/planner/test_nested_measured.py.)
+        state ``fork_rng`` puts back afterwards) until its recomputation ends. (Traced on CPU
+        against the measured step, each RNG state's birth and death:
+        tests/planner/test_nested_measured.py.)
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
