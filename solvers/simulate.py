@@ -662,6 +662,7 @@ def region_peak(
     reached: int | None = None,
     recompute_extra: int = 0,
     trigger: int | None = None,
+    frame: tuple[int, int | None] | None = None,
 ) -> int:
     """Peak of region [start, stop)'s recomputation and backward, with nothing nested in it and
     recomputed to its end, above what the rest of the step keeps meanwhile (gradient buffers
@@ -677,7 +678,11 @@ def region_peak(
     :func:`trigger_node`): the backward of the nodes after it runs first, at their own
     gradients with only the kept nodes' cache alive, and the recomputation, at the gradients
     left once they are done, stops after the trigger's last save (Rule 5). None (graphs
-    without save flags): its last node, recomputed whole."""
+    without save flags): its last node, recomputed whole; a trigger before ``start`` (nothing
+    saves): nothing recomputes. ``frame``: (f, q), Rule 2: the region's frame dies at the
+    backward of node f (:func:`frame_node`), so the backward of the nodes before it runs
+    without the q bytes the caller adds for the frame (the arguments only it keeps, Rule 12's
+    stash); q None: those events are left out, for the caller to price."""
     reached = stop if reached is None else reached
     partial = trigger is not None  # Rule 5: the trigger stops after its last save
     trigger = stop - 1 if trigger is None else trigger
@@ -710,12 +715,20 @@ def region_peak(
         elif saved_in[t]:
             from_node[min(saved_in[t]) - start] += p.size[t]
     cached = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
+    f, q = frame if frame is not None else (start, 0)
     bwd_peak, held = 0, 0
     for i in range(start, stop):
         held += from_node[i - start]
         # Rule 4: a node after the trigger runs its backward before the recomputation
         alive = held if i <= trigger else cached
-        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + alive)
+        event = p.grad_at_bwd[i] + p.bwd_temp[i] + alive
+        if i < f:  # Rule 2: after the frame has died
+            if q is None:
+                continue
+            event -= q
+        bwd_peak = max(bwd_peak, event)
+    if recomputed <= start:  # nothing saves, so nothing unpacks and nothing recomputes
+        return bwd_peak
     return max(bwd_peak, p.grad_after[trigger + 1] + fwd_peak + recompute_extra)
 
 
