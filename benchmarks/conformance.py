@@ -90,15 +90,6 @@ def known_cause(p: Point) -> str | None:
             + (", nested" if p.nested else "")
             + "; simulate's recompute rules (budget worktree)"
         )
-    if p.model == "gpt_neox" and p.form == "graph" and p.error > 0:
-        return (
-            "over-predicted (safe side): greedy's plan has 6 regions whose nodes save nothing "
-            "for backward (a dropout(p=0) and two adds; a reshape, transpose, contiguous), so "
-            "their checkpoint leaves no frame (simulate's Rule 12) and holds none of its "
-            "arguments; simulate's Rule 2 still keeps their arguments to each region's "
-            "backward (6 x 32,768 B + 512 B at the forward's end). Priced without those holds "
-            "the plan is exact (732,808 B); a fix in simulate, dp and ilp, not made here"
-        )
     return None
 
 

@@ -5,12 +5,15 @@ predicted step time (recompute time plus each region's bookkeeping,
 ``CostGraph.region_overhead_s``) whose peak *by simulate* fits the budget. Its prices are
 ``simulate``'s Rules 1-5 and 10 in closed form: early stop (Rule 5: a recomputation runs to its
 last save, the last saving node stops after that save, and a nested region that is the last save
-is not run by its parent's recomputation) and the lifetimes of nested regions' arguments (Rule
+is not run by its parent's recomputation), the lifetimes of nested regions' arguments (Rule
 3: to the end of the nested region's own recomputation unless it saves them, and handed down to
-the regions nested in it that read them). Asserted against
+the regions nested in it that read them) and of a top-level region's frame (Rule 2: its
+arguments and stash live to the backward of its first saving node, a :data:`Credit` its
+context carries down; none when nothing in it saves). Asserted against
 brute force (every laminar family, scored by ``simulate``) at every budget on random chains,
 DAGs with skips and held storages, and chains with in-place writes, with Rule 5 on and off
-(``tests/solvers/test_dp_exactness.py``). Outside that exact space: selective regions, priced as
+(``tests/solvers/test_dp_exactness.py``), and with nodes that save nothing
+(``tests/solvers/test_frame.py``). Outside that exact space: selective regions, priced as
 recomputed to their end, their cache handed back as simulate's Rule 6 says
 (``simulate.region_peak``),
 and three rules only estimated graphs use, which dp does not model exactly, so its prices may
@@ -102,6 +105,11 @@ from planner.solvers.simulate import (
 )
 
 INF = math.inf
+# See simulate's Rule 2: (f, q): the backward of every node before node f in a context (and in
+# the regions nested in it) runs with q units fewer than the context's shift counts: a
+# top-level region's frame, which holds q units (its arguments only it keeps, its RNG stash),
+# dies at the backward of f, its first saving node. None: no such node in the context.
+Credit = tuple[int, int] | None
 # A crossing storage's flag: False (read later in the context), True (kept for backward), or
 # ARG: an argument of the region being recomputed, alive to the end of its recomputation and
 # no longer unless a region nested in it reads it (simulate's Rule 3).
@@ -421,7 +429,7 @@ class _Programme:
         # Memos of what does not depend on the crossing state: a scan keeps hundreds of storages
         # crossing, and the same (tensor, context end) or selective region recurs in many states.
         self._sigs: dict[tuple[int, int, int], tuple] = {}
-        self._selective: dict[tuple[int, int, int, tuple[int, ...]], tuple] = {}
+        self._selective: dict[tuple[int, int, int, tuple[int, ...], int], tuple] = {}
         self._survivors: dict[tuple[int, int, bool], dict[int, list[int]]] = {}
         self.sorted_savers = [sorted(ss) for ss in p.savers]
         # See simulate's Rule 5: recomputations stop after the last node that saves; the last
@@ -430,13 +438,20 @@ class _Programme:
         self.last_save = [-1] * (p.n + 1)
         for i, saves in enumerate(p.rule5_saves or ()):
             self.last_save[i + 1] = i if saves else self.last_save[i]
+        # See simulate's Rule 2: a top-level region's frame (its arguments, its RNG stash) lives
+        # to the backward of its first saving node, the first such node from each cut (n:
+        # none; without save flags the cut itself: held to the region's backward's end).
+        self.first_save = list(range(p.n + 1))
+        if p.rule5_saves is not None:
+            for i in range(p.n - 1, -1, -1):
+                self.first_save[i] = i if p.rule5_saves[i] else self.first_save[i + 1]
         # See simulate's Rule 4: a recomputation of a region ending at b runs once the backward
         # of the nodes after its last save is done: its forward's gradients, relative to b's.
         self.trig_grad = [
             p.grad_after_rel(self.last_save[b] + 1, b) if self.last_save[b] >= 0 else 0
             for b in range(p.n + 1)
         ]
-        self._bwd_max: dict[tuple[int, int], int] = {}
+        self._bwd_max: dict[tuple[int, int, int, int], int] = {}
         # Per node, for :meth:`run`: the storages whose last reader or saver it is, the bytes it
         # allocates, and those of them it saves.
         self.dies_at: list[list[int]] = [[] for _ in range(p.n)]
@@ -468,15 +483,19 @@ class _Programme:
         k = bisect.bisect_left(ns, c)
         return k < len(ns) and ns[k] < j
 
-    def bwd_max(self, c: int, b: int) -> int:
+    def bwd_max(self, c: int, b: int, credit: Credit = None) -> int:
         """Most units the backward of a node in [c, b) adds to what is kept (gradient buffers,
         relative to the context's, and its working set): the backward of nodes a stopped
-        recomputation did not reach (0 when there are none)."""
-        got = self._bwd_max.get((c, b))
+        recomputation did not reach (0 when there are none). ``credit``: see :data:`Credit`."""
+        f, q = credit if credit is not None else (c, 0)
+        got = self._bwd_max.get((c, b, f, q))
         if got is None:
             p = self.p
-            got = max((p.grad_rel(i, b) + p.bwd_temp[i] for i in range(c, b)), default=0)
-            self._bwd_max[(c, b)] = got
+            got = max(
+                (p.grad_rel(i, b) + p.bwd_temp[i] - (q if i < f else 0) for i in range(c, b)),
+                default=0,
+            )
+            self._bwd_max[(c, b, f, q)] = got = max(got, 0)
         return got
 
     def survivors(self, c: int, b: int, root: bool, ends: list[int]) -> dict[int, list[int]]:
@@ -583,16 +602,21 @@ class _Programme:
         p, root = self.p, True
         if not keep:
             return best
-        fwd_own, inner, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep)
+        # See simulate's Rule 2: the frame holds the arguments and the stash to the backward
+        # of the region's first saving node (none when nothing in it saves)
+        frame = self.first_save[c] < j
+        stash = p.stash if frame else 0
+        args = sum(p.size[t] for t, kept in crossing if not kept and self.needed_in(t, c, j))
+        fwd_own, inner, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep, args)
         fwd = sum(p.size[t] for t, _ in crossing) + fwd_own
-        held = sum(p.size[t] for t, kept in crossing if kept or self.needed_in(t, c, j))
-        held += p.stash  # its own; fork_rng's copy and the cached outputs are in ``inner``
-        kept_bytes, nxt = p.stash + own_kept, list(own_nxt)
+        held = sum(p.size[t] for t, kept in crossing if kept) + (args if frame else 0)
+        held += stash  # its own; fork_rng's copy and the cached outputs are in ``inner``
+        kept_bytes, nxt = stash + own_kept, list(own_nxt)
         for t, kept in crossing:
             if self.last_need(t, b, root) < j:
-                kept_bytes += p.size[t]
+                kept_bytes += p.size[t] if frame or kept else 0
             else:
-                nxt.append((t, kept or self.needed_in(t, c, j)))
+                nxt.append((t, kept or (frame and self.needed_in(t, c, j))))
         nxt = tuple(sorted(nxt))
         rest_key = self.key(j, b, nxt, root, True, 0)
         rest = self.value_at(rest_key, j, b, nxt, root, True, 0)
@@ -608,12 +632,15 @@ class _Programme:
             np.minimum(best, v, out=best)
         return best
 
-    def selective_parts(self, c: int, j: int, b: int, keep: tuple[int, ...]) -> tuple:
-        """What a selective region [c, j) at the root costs whatever crosses into it, memoised:
-        (its first forward's peak above the crossing, its recomputation and backward's peak
-        relative to the gradients then, its cache included, bytes of its own storages it leaves
-        kept, those crossing its end, its recomputation's and overhead's time)."""
-        key = (c, j, b, keep)
+    def selective_parts(
+        self, c: int, j: int, b: int, keep: tuple[int, ...], args: int = 0
+    ) -> tuple:
+        """What a selective region [c, j) at the root costs, given the units of its arguments
+        nothing else keeps (``args``: its frame's, Rule 2), memoised: (its first forward's peak
+        above the crossing, its recomputation and backward's peak relative to the gradients
+        then, its cache included, bytes of its own storages it leaves kept, those crossing its
+        end, its recomputation's and overhead's time)."""
+        key = (c, j, b, keep, args)
         got = self._selective.get(key)
         if got is not None:
             return got
@@ -639,7 +666,10 @@ class _Programme:
         if self.early_stop:
             reached = self.last_save[j] if self.last_save[j] >= c else -1
         trigger = max(reached, c - 1) if self.early_stop else None  # Rule 4
-        inner = region_peak(p, c, j, keep_set, reached, p.stash, trigger) - p.grad_after[j]
+        first = self.first_save[c]
+        frame = (first, args + p.stash) if first < j else None  # Rule 2
+        inner = region_peak(p, c, j, keep_set, reached, p.stash, trigger, frame)
+        inner -= p.grad_after[j]
         own_kept, own_nxt = 0, []
         for i in range(c, j):
             for t in p.produced[i]:
@@ -721,25 +751,28 @@ class _Programme:
             return ()
         return tuple(j - b for j in self.span_ends.get(i, ()) if j <= b)
 
-    def key(self, c, b, crossing, root, whole_ok, depth) -> int | None:
+    def key(self, c, b, crossing, root, whole_ok, depth, credit: Credit = None) -> int | None:
         """The state's memo key (None at the context's end): states with equal descriptions
         (:meth:`_key`) share one. A crossing is a long tuple and Python does not cache a
         tuple's hash, so each description is hashed once here and stands for an int after."""
         if c == b:
             return None
         d = depth if self.max_depth is not None else 0
-        where = (c, b, crossing, root, whole_ok, d)
+        if credit is not None and (c >= credit[0] or not credit[1]):
+            credit = None  # no backward before its node left in this context
+        where = (c, b, crossing, root, whole_ok, d, credit)
         got = self._keys.get(where)
         if got is None:
-            desc = self._key(c, b, crossing, root, whole_ok, d)
+            desc = self._key(c, b, crossing, root, whole_ok, d, credit)
             got = self._keys[where] = self._ids.setdefault(desc, len(self._ids))
         return got
 
-    def _key(self, c, b, crossing, root, whole_ok, d):
+    def _key(self, c, b, crossing, root, whole_ok, d, credit):
         if root:
             return ("root", c, crossing, d)
         cross = tuple((self._tensor_sig(t, c, b), kept) for t, kept in crossing)
-        return (self.suffix_id(c, b), cross, whole_ok, d, self.trig_grad[b])
+        lead = None if credit is None else (credit[0] - b, credit[1])
+        return (self.suffix_id(c, b), cross, whole_ok, d, self.trig_grad[b], lead)
 
     # -- the recursion -----------------------------------------------------------------------
     def step(
@@ -750,12 +783,13 @@ class _Programme:
         root: bool,
         partial: bool = False,
         offload: tuple[int, int] | None = None,
+        credit: Credit = None,
     ):
         """Node i unchecked: (bytes its events need, bytes it leaves kept, crossing after).
         ``partial``: a recomputation stopping at i, after its last save (Rule 5), so without
         what i allocates after it. ``offload``: i lies in an offload region over those nodes,
         which sends what i saves of the storages made inside it to host, and brings it back
-        for i's backward (Rule 7)."""
+        for i's backward (Rule 7). ``credit``: see :data:`Credit`."""
         p = self.p
         own, saves = p.produced[i], p.saves[i]
         fetched = 0
@@ -770,6 +804,8 @@ class _Programme:
         bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i] + fetched
         bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
+        if credit is not None and i < credit[0]:
+            bwd -= credit[1]
         kept_bytes, nxt = 0, []
         for t, kept in crossing:
             if kept == ARG:
@@ -789,7 +825,14 @@ class _Programme:
         return max(fwd, bwd), kept_bytes, tuple(sorted(nxt))
 
     def run(
-        self, c: int, stop: int, b: int, crossing: tuple, root: bool, last_save: int
+        self,
+        c: int,
+        stop: int,
+        b: int,
+        crossing: tuple,
+        root: bool,
+        last_save: int,
+        credit: Credit = None,
     ) -> tuple[int, int, tuple, int | None]:
         """Nodes [c, stop) unchecked, one :meth:`step` after another: (bytes their events need,
         bytes they leave kept, crossing after, and when ``last_save`` lies among them the
@@ -807,7 +850,7 @@ class _Programme:
             saves = p.saves[i]
             if i == last_save:
                 here = tuple(sorted(cross.items()))
-                more, kept_more, after = self.step(i, b, here, root, partial=True)
+                more, kept_more, after = self.step(i, b, here, root, True, None, credit)
                 kept_more += sum(p.size[t] for t, kept in after if kept is True)
                 # Rule 4: the nodes after the last save ran their backward before it
                 tail = self.bwd_max(i + 1, b)
@@ -816,6 +859,8 @@ class _Programme:
             fwd += p.held_fwd[i] if root else self.trig_grad[b]  # Rule 4
             bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
             bwd += held_bytes + self.own_saved_bytes[i]
+            if credit is not None and i < credit[0]:
+                bwd -= credit[1]
             for t in saves:
                 kept = cross.get(t)
                 if kept is None or kept is True:
@@ -848,11 +893,18 @@ class _Programme:
         return need, kept_bytes, tuple(sorted(cross.items())), stopped
 
     def value(
-        self, c: int, b: int, crossing: tuple, root: bool, whole_ok: bool, depth: int
+        self,
+        c: int,
+        b: int,
+        crossing: tuple,
+        root: bool,
+        whole_ok: bool,
+        depth: int,
+        credit: Credit = None,
     ) -> np.ndarray:
         """``V[m]``: least recompute time from cut c to the context's end within m units."""
-        key = self.key(c, b, crossing, root, whole_ok, depth)
-        return self.value_at(key, c, b, crossing, root, whole_ok, depth)
+        key = self.key(c, b, crossing, root, whole_ok, depth, credit)
+        return self.value_at(key, c, b, crossing, root, whole_ok, depth, credit)
 
     def value_at(
         self,
@@ -863,6 +915,7 @@ class _Programme:
         root: bool,
         whole_ok: bool,
         depth: int,
+        credit: Credit = None,
     ) -> np.ndarray:
         """:meth:`value` of the state whose :meth:`key` is ``key``."""
         if key is None:
@@ -883,7 +936,7 @@ class _Programme:
         last_save = self.last_save[b] if stopping else b
         # Nodes up to the next boundary run unchecked in this context.
         stop = min(self.next_bound[c], b)
-        need, kept_bytes, nxt, stopped = self.run(c, stop, b, crossing, root, last_save)
+        need, kept_bytes, nxt, stopped = self.run(c, stop, b, crossing, root, last_save, credit)
         if stopped is not None and stopped < size:
             # See simulate's Rule 5: the recomputation stops after node last_save's last save;
             # the nodes after it save nothing and do not run again, only their backward.
@@ -891,14 +944,14 @@ class _Programme:
             choice[stopped:] = len(options) - 1
             best[stopped:] = run_s(last_save + 1) - run_s(c)
         if last_save < c:  # nothing left saves: the recomputation stopped before c
-            stopped = self.bwd_max(c, b)  # Rule 4: their backward ran before it
+            stopped = self.bwd_max(c, b, credit)  # Rule 4: their backward ran before it
             if stopped < size:
                 options.append(("stop",))
                 choice[stopped:] = len(options) - 1
                 best[stopped:] = 0.0
         if need < size:
-            rest_key = self.key(stop, b, nxt, root, True, depth)
-            rest = self.value_at(rest_key, stop, b, nxt, root, True, depth)
+            rest_key = self.key(stop, b, nxt, root, True, depth, credit)
+            rest = self.value_at(rest_key, stop, b, nxt, root, True, depth, credit)
             v = _shifted(rest, kept_bytes)[need:] + (run_s(stop) - run_s(c))
             tail = best[need:]  # below the need nothing fits
             better = v < tail
@@ -922,18 +975,30 @@ class _Programme:
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
                 held, inner_crossing, args = self.child_args(j, crossing_kept, info, root)
-                inner_key = self.key(c, j, inner_crossing, False, False, depth + 1)
+                # See simulate's Rule 2: at the top level the child's frame holds its arguments
+                # and its stash to the backward of its first saving node; no frame when nothing
+                # in it saves. In a recomputation, Rules 3 and 12 (unchanged by the frame).
+                frame = not root or self.first_save[c] < j
+                stash = p.stash if frame else 0
+                inner_credit = credit if credit is not None and c < credit[0] else None
+                if not frame:
+                    held -= args  # what only the frame would have held
+                elif root and c < self.first_save[c]:
+                    inner_credit = (self.first_save[c], args + stash)
+                inner_key = self.key(c, j, inner_crossing, False, False, depth + 1, inner_credit)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
-                inner_shift += p.stash  # its own stash, to its backward's end
+                inner_shift += stash  # its own stash, to its backward's end
                 if stopping and last_save < j:
                     # See simulate's Rule 5: the child is this recomputation's last save (its
                     # arguments), so the recomputation stops before it; the nodes after it run
                     # only their backward, with the child's arguments still alive (Rule 3).
-                    inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
+                    inner = self.value_at(
+                        inner_key, c, j, inner_crossing, False, False, depth + 1, inner_credit
+                    )
                     v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
                     # Rule 4: the nodes after the child run their backward before this
                     # recomputation, with nothing of it alive
-                    v[: self.bwd_max(j, b)] = INF
+                    v[: self.bwd_max(j, b, credit)] = INF
                     better = v < best
                     if better.any():
                         options.append(("region", c, j, inner_key, inner_shift, None, 0))
@@ -946,23 +1011,26 @@ class _Programme:
                     keeps = {tuple(i for i in range(c, j) if k[i]) for k in self.keep_sets}
                     for keep in sorted(keeps):
                         best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
-                inner = self.value_at(inner_key, c, j, inner_crossing, False, False, depth + 1)
+                inner = self.value_at(
+                    inner_key, c, j, inner_crossing, False, False, depth + 1, inner_credit
+                )
                 if inner[-1] == INF:
                     continue
-                kept_bytes, nxt = p.stash, [(t, False) for t in survivors[j]]
+                kept_bytes, nxt = stash, [(t, False) for t in survivors[j]]
                 nxt += unread
                 for t, kept, t_size, need_at, _, end in info:
                     if kept == ARG and not need_at < j:
                         nxt.append((t, ARG))  # alive to this recomputation's end (Rule 3)
                     elif end < j:
-                        kept_bytes += t_size  # read inside the region: kept as its input
+                        if frame or kept is True:
+                            kept_bytes += t_size  # read inside the region: kept as its input
                     else:
                         # an argument of this context read inside the region is kept as its
                         # input too, past this recomputation's end (Rule 3)
-                        nxt.append((t, kept is True or need_at < j))
+                        nxt.append((t, kept is True or (frame and need_at < j)))
                 nxt = tuple(sorted(nxt))
-                rest_key = self.key(j, b, nxt, root, True, depth)
-                rest = self.value_at(rest_key, j, b, nxt, root, True, depth)
+                rest_key = self.key(j, b, nxt, root, True, depth, credit)
+                rest = self.value_at(rest_key, j, b, nxt, root, True, depth, credit)
                 if rest[-1] == INF:
                     continue
                 # only budgets from the forward's need up (below it nothing fits): the same

@@ -15,7 +15,11 @@ sparse row:
 - backward of unchecked node i: grads(i) + fin[i+1] + crossing kept by i <= budget (off when i
   is in a region: big-M on ``in(i)``)
 - region R (its recomputation and backward): fin[R.stop] + crossing kept by R.stop + K_R
-  <= budget (off unless ``x[R]``), where K_R, the region's own working set, is a constant.
+  <= budget (off unless ``x[R]``), where K_R, the region's own working set, is a constant;
+  when R's first saving node f comes after its start, the backward of its nodes before f runs
+  once its frame has let its arguments go (simulate's Rule 2): fin[R.start] + crossing kept by
+  R.start + the largest of their gradients and working sets <= budget. A region in which
+  nothing saves keeps no frame and frees nothing: not a candidate.
 
 With ``ILPOptions.offload`` (by default: when ``CostGraph.host_link``, as ``dp``'s) every
 candidate interval may also be an offload region (simulate's Rule 7), ``x[R]`` of its own.
@@ -50,9 +54,11 @@ from planner.solvers.dp import (
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.simulate import (
+    frame_node,
     offload_fetch_bytes,
     offload_time_s,
     region_peak,
+    rule5_saves,
     simulate,
     trigger_node,
 )
@@ -122,7 +128,16 @@ def candidates(
         )
         pairs |= {(a, b) for k, a in enumerate(coarse) for b in coarse[k + 1 : k + 1 + coarse_span]}
     kinds = ("recompute", "offload") if offload else ("recompute",)
-    return [Region(a, b, kind=kind) for kind in kinds for a, b in sorted(pairs)]
+    # See simulate's Rule 2: a region in which nothing saves keeps no frame, so it frees
+    # nothing and recomputes nothing; it only holds its arguments through its forward: never
+    # better than leaving its nodes unchecked, so not a candidate.
+    saves = rule5_saves(graph)
+    return [
+        Region(a, b, kind=kind)
+        for kind in kinds
+        for a, b in sorted(pairs)
+        if kind == "offload" or frame_node(saves, a, b) >= a
+    ]
 
 
 def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
@@ -143,7 +158,13 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
         if r.kind == "offload":
             added_s = offload_time_s(graph, r.start, r.stop, sum(fetched[k].values()))
         else:
-            added_s = p.prefix_time_s[r.stop] - p.prefix_time_s[r.start]
+            # Rule 5: the recomputation runs through the region's last saving node
+            last = (
+                r.stop - 1
+                if p.rule5_saves is None
+                else trigger_node(p.rule5_saves, r.start, r.stop)
+            )
+            added_s = p.prefix_time_s[last + 1] - p.prefix_time_s[r.start]
         return added_s + p.overhead_s(r.start, r.stop, r.kind)
 
     # In units of the dearest candidate / 1e9: both backends stop improving once the objective
@@ -285,10 +306,30 @@ def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
     for k, r in enumerate(regions):
         if r.kind == "offload":
             continue
-        # Rule 4 (the trailing nodes' backward first) exactly; Rule 5 not: recomputed to the
-        # region's end, on the safe side
+        # Rules 4 and 5 (the trailing nodes' backward first, the recomputation stopping after
+        # the trigger's last save) as region_peak prices them
         trigger = None if p.rule5_saves is None else trigger_node(p.rule5_saves, r.start, r.stop)
-        own = region_peak(p, r.start, r.stop, trigger=trigger)
+        # Rule 2: the region's frame (its arguments) dies at the backward of its first saving
+        # node; the backward of the nodes before it is a row of its own
+        first = frame_node(p.rule5_saves, r.start, r.stop)
+        own = region_peak(p, r.start, r.stop, trigger=trigger, frame=(first, None))
+        if first > r.start:
+            lead = max(p.grad_at_bwd[i] + p.bwd_temp[i] for i in range(r.start, first))
+            if lead > budget_bytes:
+                mdl.ub[k] = 0.0
+                continue
+            # what was kept before the region began, nothing of its own (its nodes before
+            # ``first`` save nothing)
+            coef = {fin[r.start]: 1.0}
+            for t in crossing[r.start]:
+                v = kept_by(t, r.start)
+                if v is not None:
+                    coef[v] = coef.get(v, 0.0) + p.size[t]
+            most = fin_max[r.start] + sum(c for v, c in coef.items() if v != fin[r.start])
+            big_m = max(0.0, most - (budget_bytes - lead))
+            if big_m > 0.0:
+                coef[k] = big_m
+                mdl.row(coef, hi=budget_bytes - lead + big_m)
         coef = {fin[r.stop]: 1.0}
         for t in crossing[r.stop]:
             if p.producer[t] < r.start:

@@ -9,8 +9,20 @@ Rule 1. Forward lifetimes. Each storage is allocated by its producer and freed o
         storage until the backward of the earliest node that saved it. A storage with
         ``freed_after`` (eager code: a Python variable outlives its last reader) stays alive
         through that node's forward, without being an input of the regions it lies in.
-Rule 2. A region drops what its nodes save, but keeps its arguments (the storages it reads from
-        outside) alive until its backward ends (the checkpoint saves its inputs).
+Rule 2. A region drops what its nodes save, but its checkpoint's frame keeps its arguments (the
+        storages it reads from outside) alive: through its forward, and then for as long as
+        anything the region saved is still to be unpacked. torch's frame (``saved_args``, and
+        the closure that recomputes) is referenced only by the unpack hooks of the tensors
+        packed under the region's hooks, which autograd drops at each saving node's backward.
+        So the frame lives until the backward of the region's *first* node that saves for
+        backward, at any depth (a nested region's saves hold its own frame, which holds its
+        arguments packed under the parent's hooks, so the parent's frame too), and a region
+        whose nodes save nothing leaves no frame behind: its arguments live only through its
+        forward (:func:`frame_node`). Measured: tests/planner/test_budget_promise.py. Graphs
+        without ``Node.saves_for_backward`` keep them to the region's backward's end. On the
+        safe side, not exact: the frame holds a selective region's unreached cache entries too,
+        which Rule 6 keeps to the region's backward's end, and a region nested in a
+        recomputation keeps Rule 3's lifetimes even when nothing in it saves.
 Rule 3. Nested arguments. The arguments of a region nested in a recomputation are tensors its
         parent recovered: they live until the nested region's own recomputation ends, longer
         only if a node in it saves them (checkpoint.py's Rule 2: inner inputs are saved to the
@@ -53,7 +65,8 @@ Rule 7. Offload regions keep what they save in host memory and bring each storag
 Rule 8. Storages ``held_to_end`` (autocast's weight copies) live from their first forward to the
         end of the step; recomputation reuses them.
 Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNorm statistics)
-        keeps a copy of their pre-step values from its forward to the end of its backward, and
+        keeps a copy of their pre-step values from its forward for as long as its frame lives
+        (Rule 2: the function it checkpoints holds the copy), and
         makes one more for each recomputation (``passes/rewrite.py``), which lives until the
         recomputation ends -- except the part a node of the region's own saves for backward
         (``Node.state_saved_bytes``: BatchNorm saves the running statistics it ran on, so the
@@ -66,15 +79,15 @@ Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their 
 Rule 12. Each checkpoint call (recompute and selective regions) stashes
         ``CostGraph.region_state_bytes`` (the RNG state ``preserve_rng_state`` restores, a
         ``torch.get_rng_state()`` tensor taken before the call saves its inputs), and its
-        frame holds it: in the first forward, until that region's backward ends; in a parent's
-        recomputation, until that recomputation ends (recomputed tensors are detached, so the
-        nested call's frame dies with it), and this holds too for the nested call at which the
-        parent's recomputation stops (Rule 5: it stops as that call saves its inputs, after
-        the stash). A region that saves nothing through its own checkpoint (no node of its own
-        saves, no nested region's arguments) leaves no frame behind: its stash dies as its
-        forward ends. Recomputing a region holds one more copy (the state ``fork_rng`` puts
-        back afterwards) until its recomputation ends. (Traced on CPU against the measured
-        step, each RNG state's birth and death: tests/planner/test_nested_measured.py.)
+        frame holds it: in the first forward, as long as Rule 2 says the frame lives (to the
+        backward of the region's first saving node, or, when nothing in it saves, to its
+        forward's end); in a parent's recomputation, until that recomputation ends (recomputed
+        tensors are detached, so the nested call's frame dies with it), and this holds too for
+        the nested call at which the parent's recomputation stops (Rule 5: it stops as that
+        call saves its inputs, after the stash). Recomputing a region holds one more copy (the
+        state ``fork_rng`` puts back afterwards) until its recomputation ends. (Traced on CPU
+        against the measured step, each RNG state's birth and death:
+        tests/planner/test_nested_measured.py.)
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
@@ -219,6 +232,7 @@ class _Replay:
             state_prefix.append(state_prefix[-1] + nd.state_bytes)
         self.state_bytes = {r: state_prefix[r.stop] - state_prefix[r.start] for r in self.regions}
         self.saves = rule5_saves(graph)
+        self.first_saver: dict[Region, int] = {}  # Rule 2's frame_node, per region
         self.early_stop = self.saves is not None
         self.timeline: list[tuple[str, int]] = []
         self.recompute_flops = 0
@@ -363,8 +377,9 @@ class _Replay:
 
     def _hold_state_copies(self, ctx: Region, children: list[Region], i: int) -> None:
         """Regions starting at node ``i`` inside ``ctx`` copy the buffers they write (BatchNorm
-        statistics) before running, for their recomputation; the copies live until the
-        region's backward ends (nested ones: until their enclosing child of ctx ends)."""
+        statistics) before running, for their recomputation. The function checkpoint calls
+        holds them, so its frame does: in the first forward they live as long as Rule 2 says
+        the region's frame does; in a recomputation until the enclosing child of ctx ends."""
         for r in self.starts_at[i]:
             if r is ctx or r.kind == "offload" or not self.state_bytes[r]:
                 continue
@@ -373,7 +388,10 @@ class _Replay:
             top = self._owner(i, children)
             key = ("state", ctx, r)
             self._hold(key, self.state_bytes[r], 1)
-            self._later(ctx, ("region_end", top), key)
+            if ctx is ROOT:
+                self._hold_for_frame(ROOT, r, key)
+            else:
+                self._later(ctx, ("region_end", top), key)
 
     def _stash(self, ctx: Region, i: int) -> None:
         """See Rule 12: the checkpoints starting at node ``i`` stash their RNG state."""
@@ -382,19 +400,22 @@ class _Replay:
                 continue
             key = ("stash", ctx, r)
             self._hold(key, self.g.region_state_bytes, 1)
-            if not self._keeps_frame(r):
-                self._later(ctx, ("fwd_done", r.stop - 1), key)
-            elif ctx is ROOT:
-                self._later(ROOT, ("stash_end", r), key)
-            else:
-                self._later(ctx, ("recompute_end",), key)
+            self._hold_for_frame(ctx, r, key)
 
-    def _keeps_frame(self, r: Region) -> bool:
-        """See Rule 12: whether region ``r``'s checkpoint packs anything (graphs without save
-        flags: assumed to)."""
-        if self.saves is None or self.kids[r]:
-            return True
-        return any(self.saves[i] for i in range(r.start, r.stop))
+    def _hold_for_frame(self, ctx: Region, r: Region, key: tuple) -> None:
+        """See Rule 2: release ``key`` with region ``r``'s checkpoint frame, made in context
+        ``ctx``: a frame nothing in ``r`` packs into dies as ``r``'s forward ends; in the
+        first forward, the others at the backward of ``r``'s first saving node; in a
+        recomputation, with it (Rule 12)."""
+        first = self.first_saver.get(r)
+        if first is None:
+            first = self.first_saver[r] = frame_node(self.saves, r.start, r.stop)
+        if first < r.start:
+            self._later(ctx, ("fwd_done", r.stop - 1), key)
+        elif ctx is ROOT:
+            self._later(ROOT, ("frame", first), key)
+        else:
+            self._later(ctx, ("recompute_end",), key)
 
     def _hold_tensor(self, ctx, children, here, t_i, start, stop, run_stop) -> None:
         """Allocate storage ``t_i`` with one hold per reason it must stay alive.
@@ -453,7 +474,10 @@ class _Replay:
             if start <= u < stop and owner is not None and owner is not here:
                 input_of.add(owner)
         for region in input_of:
-            if ctx is ROOT or region.kind == "offload" or any(s in region for s in t.saved_by):
+            if ctx is ROOT and region.kind != "offload":
+                self._hold(key, t.size_bytes, 1)
+                self._hold_for_frame(ROOT, region, key)
+            elif region.kind == "offload" or any(s in region for s in t.saved_by):
                 kept_for.add(region)  # the checkpoint keeps its arguments
             else:
                 self._hand_down(key, t, region)
@@ -503,7 +527,6 @@ class _Replay:
                 self.forward(region, "recompute")
                 self.backward(region)
                 self._release_at(ctx, ("region_end", region))
-                self._release_at(ROOT, ("stash_end", region))  # Rule 12
                 i = region.start - 1
                 continue
             self._node_backward(ctx, i, label)
@@ -518,6 +541,7 @@ class _Replay:
         self._mark(f"{label}:{node.name}", node.bwd_temp_bytes + fetched)
         self.live_bytes -= self.grad_free[i]
         self._release_at(ctx, ("bwd", i))
+        self._release_at(ROOT, ("frame", i))  # first-forward frames whose first saver it is
         self.apply_changes(("bwd", i))
         self.bwd_done.add(i)
 
@@ -581,6 +605,19 @@ def trigger_node(saves: Sequence[bool], start: int, stop: int) -> int:
     return start - 1
 
 
+def frame_node(saves: Sequence[bool] | None, start: int, stop: int) -> int:
+    """See Rule 2: the node in [start, stop) whose backward releases the first-forward frame
+    of a region over it (its arguments): its first node that saves for backward, nested
+    regions' nodes included; ``start - 1`` when none does (no frame outlives its forward).
+    Graphs without save flags (``saves`` None): ``start``, the region's last backward."""
+    if saves is None:
+        return start
+    for i in range(start, stop):
+        if saves[i]:
+            return i
+    return start - 1
+
+
 def stop_node(graph: CostGraph, region: Region, children: list[Region]) -> tuple[int, bool]:
     """See Rule 5: where ``region``'s recomputation stops, given the regions nested one level
     inside it (``children``): (its last node, whether that node stops part-way, after its last
@@ -625,6 +662,7 @@ def region_peak(
     reached: int | None = None,
     recompute_extra: int = 0,
     trigger: int | None = None,
+    frame: tuple[int, int | None] | None = None,
 ) -> int:
     """Peak of region [start, stop)'s recomputation and backward, with nothing nested in it and
     recomputed to its end, above what the rest of the step keeps meanwhile (gradient buffers
@@ -640,7 +678,11 @@ def region_peak(
     :func:`trigger_node`): the backward of the nodes after it runs first, at their own
     gradients with only the kept nodes' cache alive, and the recomputation, at the gradients
     left once they are done, stops after the trigger's last save (Rule 5). None (graphs
-    without save flags): its last node, recomputed whole."""
+    without save flags): its last node, recomputed whole; a trigger before ``start`` (nothing
+    saves): nothing recomputes. ``frame``: (f, q), Rule 2: the region's frame dies at the
+    backward of node f (:func:`frame_node`), so the backward of the nodes before it runs
+    without the q bytes the caller adds for the frame (the arguments only it keeps, Rule 12's
+    stash); q None: those events are left out, for the caller to price."""
     reached = stop if reached is None else reached
     partial = trigger is not None  # Rule 5: the trigger stops after its last save
     trigger = stop - 1 if trigger is None else trigger
@@ -673,12 +715,20 @@ def region_peak(
         elif saved_in[t]:
             from_node[min(saved_in[t]) - start] += p.size[t]
     cached = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
+    f, q = frame if frame is not None else (start, 0)
     bwd_peak, held = 0, 0
     for i in range(start, stop):
         held += from_node[i - start]
         # Rule 4: a node after the trigger runs its backward before the recomputation
         alive = held if i <= trigger else cached
-        bwd_peak = max(bwd_peak, p.grad_at_bwd[i] + p.bwd_temp[i] + alive)
+        event = p.grad_at_bwd[i] + p.bwd_temp[i] + alive
+        if i < f:  # Rule 2: after the frame has died
+            if q is None:
+                continue
+            event -= q
+        bwd_peak = max(bwd_peak, event)
+    if recomputed <= start:  # nothing saves, so nothing unpacks and nothing recomputes
+        return bwd_peak
     return max(bwd_peak, p.grad_after[trigger + 1] + fwd_peak + recompute_extra)
 
 

@@ -399,3 +399,34 @@ def with_saves(rng: random.Random, graph: CostGraph) -> CostGraph:
         for t in graph.tensors
     )
     return replace(graph, nodes=nodes, tensors=tensors)
+
+
+def with_quiet_nodes(rng: random.Random, graph: CostGraph) -> CostGraph:
+    """:func:`with_saves`, and then about a third of the nodes save nothing at all (a cat, an
+    add, a view) and have a heavy backward: regions that save nothing, or save only after some
+    of their nodes, whose checkpoint frame dies before their backward ends (simulate's Rule
+    2). Random graphs seldom put such a backward at the peak; these often do."""
+    graph = with_saves(rng, graph)
+    quiet = {i for i in range(len(graph.nodes)) if rng.random() < 0.35}
+    nodes = tuple(
+        replace(
+            nd,
+            saves_for_backward=False,
+            bwd_temp_bytes=nd.bwd_temp_bytes + rng.randint(0, 96),
+        )
+        if i in quiet
+        else nd
+        for i, nd in enumerate(graph.nodes)
+    )
+    tensors = tuple(
+        replace(
+            t,
+            saved_by=tuple(s for s in t.saved_by if s not in quiet),
+            # a node that saves its own output allocates it before its last save
+            after_last_save=t.after_last_save
+            and t.producer not in quiet
+            and t.producer not in t.saved_by,
+        )
+        for t in graph.tensors
+    )
+    return replace(graph, nodes=nodes, tensors=tensors)

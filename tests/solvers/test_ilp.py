@@ -17,7 +17,13 @@ from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import assert_matches, score_all
-from tests.solvers.synthetic import GraphBuilder, gpt_like_graph, random_chain, random_dag
+from tests.solvers.synthetic import (
+    GraphBuilder,
+    gpt_like_graph,
+    random_chain,
+    random_dag,
+    with_saves,
+)
 
 
 def _time_or_least(solve, graph, budget, **opts):
@@ -31,10 +37,14 @@ def _time_or_least(solve, graph, budget, **opts):
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6))
-def test_ilp_is_optimal_against_brute_force(seed, n):
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), early_stop=st.booleans())
+def test_ilp_is_optimal_against_brute_force(seed, n, early_stop):
+    """With ``early_stop``, graphs as the estimator describes them (``with_saves``): regions
+    whose nodes save nothing, or save only after some that do not (simulate's Rules 2 and 5)."""
     rng = random.Random(seed)
     graph = random_dag(rng, n)
+    if early_stop:
+        graph = with_saves(rng, graph)
     scored = score_all(graph, max_depth=1)
     eager = simulate(graph, Schedule()).peak_bytes
     for budget in (scored.least_bytes - 1, scored.least_bytes, rng.randint(0, eager)):

@@ -28,7 +28,7 @@ from planner.solvers.registry import solve
 from planner.solvers.selective import is_matmul
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import families
-from tests.solvers.synthetic import gpt_like_graph, random_chain, random_dag
+from tests.solvers.synthetic import gpt_like_graph, random_chain, random_dag, with_quiet_nodes
 
 
 def _with_matmuls_and_spans(graph, rng, stash_bytes):
@@ -62,10 +62,15 @@ def _top_level_schedules(graph):
     n=st.integers(2, 5),
     dag=st.booleans(),
     stash=st.sampled_from((0, 5)),
+    quiet=st.booleans(),
 )
-def test_dp_finds_every_selective_schedule_that_simulate_fits(seed, n, dag, stash):
+def test_dp_finds_every_selective_schedule_that_simulate_fits(seed, n, dag, stash, quiet):
+    """``quiet``: graphs with save flags, some nodes saving nothing (simulate's Rule 2: a
+    region's frame dies at the backward of its first saving node)."""
     rng = random.Random(seed)
     graph = (random_dag if dag else random_chain)(rng, n)
+    if quiet:
+        graph = with_quiet_nodes(rng, graph)
     graph = _with_matmuls_and_spans(graph, rng, stash)
     scored = []
     for schedule in _top_level_schedules(graph):

@@ -108,7 +108,8 @@ def test_without_save_flags_the_recomputation_runs_to_the_end():
 def test_a_region_copies_the_buffers_it_writes_for_its_recomputation():
     sim = run([Region(0, 2)], flagged_chain(state_bytes=(0, 4, 0)))
     # n1 writes 4 B of buffers (BatchNorm statistics): the region keeps a pre-step copy from
-    # its forward to the end of its backward, and makes a fresh one while recomputing.
+    # its forward for as long as its frame lives (Rules 9 and 2: to the backward of n1, its
+    # first saving node; n0 saves nothing), and makes a fresh one while recomputing.
     assert sim.timeline == (
         ("fwd:n0", 14),
         ("fwd:n1", 34),
@@ -117,7 +118,7 @@ def test_a_region_copies_the_buffers_it_writes_for_its_recomputation():
         ("recompute:n0", 38),
         ("recompute:n1", 38),
         ("bwd:n1", 44),
-        ("bwd:n0", 14),
+        ("bwd:n0", 10),
     )
 
 
@@ -135,13 +136,14 @@ def test_a_recomputation_copy_its_node_saves_lives_to_that_backward():
         ("recompute:n0", 38),
         ("recompute:n1", 38),
         ("bwd:n1", 48),
-        ("bwd:n0", 14),
+        ("bwd:n0", 10),  # the first forward's copy went with the frame, at n1's backward
     )
 
 
 def test_a_checkpoint_stashes_its_rng_state_until_its_backward_ends():
-    # Rule 12: 4 B stashed as the region's forward starts and held to its backward's end, and
-    # one more copy (fork_rng's) while it recomputes: the same lifetimes as the buffer copies.
+    # Rule 12: 4 B stashed as the region's forward starts and held by its frame (to n1's
+    # backward, Rule 2), and one more copy (fork_rng's) while it recomputes: the same
+    # lifetimes as the buffer copies.
     sim = run([Region(0, 2)], replace(flagged_chain(), region_state_bytes=4))
     assert sim.timeline == run([Region(0, 2)], flagged_chain(state_bytes=(0, 4, 0))).timeline
     assert run(
