@@ -20,10 +20,13 @@ RegionKind = Literal["recompute", "selective", "offload"]
 # recomputed FLOPs (graph_for_objective).
 Objective = Literal["time", "flops"]
 OBJECTIVES: tuple[Objective, ...] = ("time", "flops")
-# Under the "flops" objective, the weight of a node's predicted time beside its FLOPs' time at
-# the graph's FLOP rate: small enough that FLOPs decide, large enough to break their ties (a
-# kept softmax beats a kept copy when neither has FLOPs).
-FLOPS_OBJECTIVE_TIME_WEIGHT = 1e-3
+# Under the "flops" objective a schedule's predicted time only breaks ties between equal FLOPs
+# (a kept softmax beats a kept copy when neither has FLOPs). Its weight makes the recomputation
+# of every node this many times over, each in a selective region of its own, worth less than
+# one FLOP (FLOPs are whole numbers). A fixed weight (1e-3) let a tiny model's measured
+# checkpoint overheads outweigh its FLOPs: GPT-ref-small at SAC's peak recomputed 0 or 4 MFLOPs
+# as the machine's load moved the calibrated selective-call cost.
+FLOPS_TIE_RECOMPUTES = 4
 
 
 @dataclass(frozen=True)
@@ -273,13 +276,25 @@ def check_objective(objective: str) -> None:
 
 def graph_for_objective(graph: CostGraph, objective: Objective) -> CostGraph:
     """The graph a solver sees so that minimising its recomputation time minimises
-    ``objective``: ``graph`` itself for ``"time"``; for ``"flops"``, the recomputed FLOPs with
-    the predicted time at FLOPS_OBJECTIVE_TIME_WEIGHT (:func:`weighted_graph`). Memory is
-    unchanged, so plans fit the same budgets; predict a plan's time on ``graph``, not on this."""
+    ``objective``: ``graph`` itself for ``"time"``; for ``"flops"``, the recomputed FLOPs, the
+    predicted time breaking ties only (:func:`weighted_graph` at :func:`flops_tie_weight`; an
+    offload region's exposed transfers keep their weight 1). Memory is unchanged, so plans fit
+    the same budgets; predict a plan's time on ``graph``, not on this."""
     check_objective(objective)
     if objective == "time":
         return graph
-    return weighted_graph(graph, flops_weight=1.0, time_weight=FLOPS_OBJECTIVE_TIME_WEIGHT)
+    return weighted_graph(graph, flops_weight=1.0, time_weight=flops_tie_weight(graph))
+
+
+def flops_tie_weight(graph: CostGraph) -> float:
+    """The weight of the predicted time beside the FLOPs' time under the "flops" objective: the
+    time of FLOPS_TIE_RECOMPUTES recomputations of every node, each in a selective region of
+    its own, weighs less than one FLOP at the graph's rate."""
+    n = len(graph.nodes)
+    whole_s = sum(graph.node_recompute_time_s(i) for i in range(n))
+    whole_s += n * graph.region_overhead_s + graph.checkpoint_overhead_s(0, n, "selective")
+    bound_s = FLOPS_TIE_RECOMPUTES * whole_s * graph.flops_per_s
+    return 0.5 / bound_s if bound_s > 0 else 1.0
 
 
 def weighted_graph(graph: CostGraph, flops_weight: float, time_weight: float = 1.0) -> CostGraph:

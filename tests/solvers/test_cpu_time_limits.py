@@ -81,12 +81,14 @@ def _busy_loops(n: int) -> list[subprocess.Popen]:
 
 
 def test_auto_under_a_busy_loop_gives_the_quiet_plan_and_least():
-    """auto (greedy, dp and the others sharing one limit) with a limit three times the CPU
+    """auto (greedy, dp and the others sharing one limit) with a limit ten times the CPU
     time it takes on this graph: under a busy loop on the other core (and whatever else the
-    machine runs) the same plan, and below the least feasible the same least budget."""
+    machine runs) the same plan, and below the least feasible the same least budget. CPU time
+    itself stretches some under load (caches and cores shared): with three times, CI once
+    stated a least of 437 B against the quiet 281 B."""
     start = time.process_time()
     quiet = [_answer("auto", {}, LONG, frac, 60.0) for frac in (0.7, 0.01)]
-    limit_s = 3 * (time.process_time() - start) / 2
+    limit_s = 10 * (time.process_time() - start) / 2
     assert quiet[1][0] == "least" and quiet[1][1] is not None, quiet[1]
     busy = _busy_loops(1)
     try:
