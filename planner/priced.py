@@ -85,14 +85,7 @@ def predictions(
     return dict(
         solver=schedule.solver,
         budget_bytes=budget_bytes,
-        predictions=Predictions(
-            peak_bytes=simulation.peak_bytes,
-            baseline_peak_bytes=baseline_peak_bytes,
-            recompute_flops=simulation.recompute_flops,
-            step_flops=graph.step_flops,
-            recompute_time_s=simulation.recompute_time_s,
-            step_time_s=simulation.step_time_s,
-        ),
+        predictions=Predictions.of(graph, simulation, baseline_peak_bytes),
         notes=schedule.note,
         graph=graph,
         schedule=schedule,
