@@ -29,6 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
 from planner.passes.nodes import written_arguments
@@ -145,6 +146,10 @@ class Tracker(TorchDispatchMode):
         self.phase = "fwd"
         self.flops: dict[tuple[str, int], int] = defaultdict(int)
         self.moved_bytes: dict[tuple[str, int], int] = defaultdict(int)
+        # (phase, node) -> the calls a selective checkpoint's policy is asked about when the
+        # node runs in a region (Node.fwd_calls): not those torch lets through unasked
+        # (SAC_IGNORED_OPS: detach, metadata queries) nor the graph form's loss step, which
+        # runs outside every region though charged to the last node (``outside_node``)
         self.call_counts: dict[tuple[str, int], int] = defaultdict(int)
         self.random_nodes: set[int] = set()
         self.sdpa_backends: set[str] = set()
@@ -188,6 +193,8 @@ class Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.internal:  # the tracker's own detach of a save: no op the step runs
+            return func(*args, **kwargs)
         if func is _GROUPED_MM and _grouped_mm_off_meta(*args, **kwargs):
             out = _grouped_mm_out(*args, **kwargs)
         else:
@@ -199,7 +206,8 @@ class Tracker(TorchDispatchMode):
         formula = _FLOP_FORMULAS.get(packet) or flop_registry.get(packet)
         flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
         self.flops[where] += flops
-        self.call_counts[where] += 1
+        if func not in SAC_IGNORED_OPS and not self.outside_node:
+            self.call_counts[where] += 1
         if func in _SDPA_BACKENDS and self.phase == "fwd":
             self.sdpa_backends.add(_SDPA_BACKENDS[func])
         if torch.Tag.nondeterministic_seeded in func.tags and self.phase == "fwd":
