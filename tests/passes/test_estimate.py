@@ -373,3 +373,35 @@ def test_fwd_calls_are_the_calls_a_selective_policy_sees_per_node():
     assert sum(asked.values()) > 0
     names = [n.name for n in graph.nodes]
     assert [n.fwd_calls for n in graph.nodes] == [asked[name] for name in names]
+
+
+def test_the_graph_forms_loss_step_is_outside_every_region():
+    """The loss runs after the captured graph, outside every region, though the graph form
+    charges it to the last node (``estimate._charged_to``): a region ending at that node must
+    neither drop what the loss saves for its backward (here a 1 MiB product and the output),
+    which the step holds whatever the schedule, nor recompute the loss's FLOPs."""
+    from planner.graph_form import price
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64))
+    x = torch.randn(512, 16)
+
+    def gram_loss(out):  # saves the 512 x 512 product for square's backward
+        return (out @ out.T).square().sum()
+
+    priced = price(model, x, loss_fn=gram_loss, device="cpu")
+    summed = price(model, x, loss_fn=lambda out: out.sum(), device="cpu")
+    n = len(priced.graph.nodes)
+    output_bytes = 512 * 64 * F32
+    product_flops = 2 * 512 * 64 * 512  # square and sum count none
+    # the product, and its two gradients in backward: in the step, as the loss runs it
+    assert priced.graph.step_flops == summed.graph.step_flops + 3 * product_flops
+    for start in range(n):
+        schedule = Schedule(regions=(Region(start, n),), solver="test")
+        p = priced.build(schedule, 10**9)
+        measured = measure(p.module, x, gram_loss).peak_bytes
+        # never under; over by at most the output (freed in the loss's backward, before the
+        # last node's, which the loss's backward is charged to)
+        assert 0 <= p.predicted_peak_bytes - measured <= output_bytes, (start, measured)
+        same = summed.build(schedule, 10**9)
+        assert p.predicted_recompute_flops == same.predicted_recompute_flops
