@@ -373,24 +373,26 @@ class Tracker(TorchDispatchMode):
         running when it was saved). In eager code an op's inputs are saved before the op
         reaches dispatch, so while the previous op is still the running node; in a graph the
         node runs before autograd and both are the same node."""
-        by_loss: list[tuple[Storage, int]] = []
+        by_loss: list[tuple[Save, int]] = []  # the loss step's saves of the nodes' storages
         loss_step = set(map(id, self.loss_storages))
         for s in self.saves:
             owner = s.node if s.owner is None else s.owner
             if owner < 0:
                 continue
             if s.outside and s.storage is not None and id(s.storage) not in loss_step:
-                by_loss.append((s.storage, owner))  # a node's storage the loss step saves
+                by_loss.append((s, owner))  # once the nodes' own saves are known
                 continue
             # Inputs are saved before the op allocates anything, outputs after.
             self._note_save(s.storage, owner, s.allocated if owner == s.node else 0)
-        for rec, owner in by_loss:
+        for s, owner in by_loss:
+            rec = s.storage
+            assert rec is not None
             if rec.is_output and not rec.saved_by:
                 # held by the loss step, outside every region, to its backward
                 if all(rec is not held for held, _ in self.loss_held):
                     self.loss_held.append((rec, owner))
-            else:  # a node's save keeps it too (or it is no output): as that node's save
-                self._note_save(rec, owner, None)
+            else:  # a node's save keeps it too (or it is no output): saved as by that node
+                self._note_save(rec, owner, s.allocated if owner == s.node else 0)
 
     def _note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
         """Autograd saved ``rec`` for node ``owner``'s backward. ``allocated``: the storages
