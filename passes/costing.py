@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from planner.passes.op_timing import DeviceTiming, OpCall, Timer, measure_timing
 from planner.passes.step import StepTime
 from planner.passes.trace import OpRecord, Segment, Storage, Tracker, is_tensor
-from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Tensor
+from planner.solvers.costgraph import BufferChange, CostGraph, GradBuffer, Node, Tensor
 from planner.solvers.op_classes import SCORE_OPS, is_fused_attention, op_class_tags, short_op_name
 from planner.solvers.rates import DeviceProfile
 
@@ -64,9 +64,10 @@ def cost_graph(
                 inputs=tuple(sorted(r.inputs)),
                 module_path=r.module_path,
                 fwd_flops=tracker.flops.get(("fwd", i), 0),
-                bwd_flops=tracker.flops.get(("bwd", i), 0),
+                bwd_flops=tracker.flops.get(("bwd", i), 0) + tracker.flops.get(("loss", i), 0),
                 fwd_bytes_accessed=tracker.moved_bytes.get(("fwd", i), 0),
-                bwd_bytes_accessed=tracker.moved_bytes.get(("bwd", i), 0),
+                bwd_bytes_accessed=tracker.moved_bytes.get(("bwd", i), 0)
+                + tracker.moved_bytes.get(("loss", i), 0),
                 fwd_temp_bytes=max(0, r.fwd.peak_above_start_bytes - produced_bytes[i]),
                 bwd_temp_bytes=bseg.peak_above_start_bytes - grad_alloc[i] - param_grad[i],
                 param_grad_bytes=param_grad[i],
@@ -81,7 +82,38 @@ def cost_graph(
     # flash / memory-efficient keep only the output and a log-sum-exp per row.
     backends = ",".join(sorted(tracker.sdpa_backends)) or sdpa_backend
     graph = roofline_graph(nodes, tensors, buffers, rates, estimator, backends)
-    return dataclasses.replace(graph, **device_fields(device, rates))
+    return dataclasses.replace(
+        graph, buffer_changes=loss_step_holds(tracker), **device_fields(device, rates)
+    )
+
+
+def loss_step_holds(tracker: Tracker) -> tuple[BufferChange, ...]:
+    """What the graph form's loss step keeps for its backward, as bytes held at fixed points
+    of the step whatever the schedule (simulate's Rule 11): the loss runs after the captured
+    graph, outside every region, so no region drops what it saves. Its own storages from the
+    end of the forward, and the outputs only it saves (``Tracker.loss_held``) from the start
+    of backward, where the outputs are released, each to the backward it dies in (that of
+    the last node, which the loss's backward is charged to)."""
+    n = len(tracker.records)
+    changes = []
+    saves, outputs = "the loss step's saves", "an output the loss step saves"
+    for rec in _loss_kept(tracker):
+        assert rec.freed_at is not None
+        changes.append(BufferChange(("fwd", rec.node), rec.nbytes, saves))
+        changes.append(BufferChange(("bwd", rec.freed_at), -rec.nbytes, saves))
+    for rec, owner in tracker.loss_held:
+        changes.append(BufferChange(("bwd", n), rec.nbytes, outputs))
+        changes.append(BufferChange(("bwd", owner), -rec.nbytes, outputs))
+    return tuple(changes)
+
+
+def _loss_kept(tracker: Tracker) -> list[Storage]:
+    """The loss step's storages that live into backward and die there (what it saves)."""
+    return [
+        r
+        for r in tracker.loss_storages
+        if not r.alive and r.freed_at is not None and not r.held_to_end
+    ]
 
 
 def attention_nodes(records: list[OpRecord], seq_lens: set[int]) -> set[int]:
@@ -154,7 +186,10 @@ def with_measured_times(
         how += f"; calibration: {timing.source}"
     nodes = tuple(
         dataclasses.replace(
-            n, fwd_time_s=times.get(("fwd", i), 0.0), bwd_time_s=times.get(("bwd", i), 0.0)
+            n,
+            fwd_time_s=times.get(("fwd", i), 0.0),
+            # the graph form's loss step: in the step, never recomputed (Tracker.outside_node)
+            bwd_time_s=times.get(("bwd", i), 0.0) + times.get(("loss", i), 0.0),
         )
         for i, n in enumerate(graph.nodes)
     )
@@ -218,8 +253,10 @@ def _measured_times(
         return {w: t + len(tracker.calls[w]) * overhead_s for w, t in alone_s.items()}, how
     times: dict[tuple[str, int], float] = {}
     how = []
-    for phase, phase_s in (("fwd", step_time.forward_s), ("bwd", step_time.backward_s)):
-        wheres = [w for w in alone_s if w[0] == phase]
+    # the loss step is measured with the forward (measurement.time_step)
+    phases = ((("fwd", "loss"), step_time.forward_s), (("bwd",), step_time.backward_s))
+    for (phase, *also), phase_s in phases:
+        wheres = [w for w in alone_s if w[0] in (phase, *also)]
         total_alone_s = sum(alone_s[w] for w in wheres)
         n_calls = sum(len(tracker.calls[w]) for w in wheres)
         if phase_s >= total_alone_s:
@@ -273,12 +310,16 @@ def storage_records(
     Returns (tensors, bytes each node produces, parameter-gradient bytes and gradient-buffer
     bytes each node's backward allocates, gradient buffers).
     """
-    # Forward storages that outlived their node are the graph's tensors.
+    # Forward storages that outlived their node are the graph's tensors, but what the loss
+    # step saves (held whatever the schedule: loss_step_holds).
     tensors: list[Tensor] = []
     produced_bytes = [0] * len(names)
     recs: list[Storage] = []
+    held = set(map(id, _loss_kept(tracker)))
     for i in range(len(names)):
         for rec in tracker.allocated.get(("fwd", i), []):
+            if id(rec) in held:
+                continue
             survived = rec.alive or rec.users or rec.saved_by or rec.is_output or rec.held_to_end
             survived = survived or id(rec) in tracker.casts  # the cache held it
             # read by no op, yet held past its node (a composite's discarded output, kept by

@@ -8,8 +8,9 @@ How: the step (forward, loss per ``passes/step.training_loss``, backward) runs O
 ``FakeTensorMode``, so no real memory is allocated and no real arithmetic is done, which is what
 lets a 7B-parameter shape be priced on a laptop, with the tracker of ``passes/trace.py`` beneath
 it. The forward runs node by node (an fx Interpreter), one tracker record per graph node (the
-loss step is charged to the last node); autograd saves and the backward are attributed to
-forward nodes as in the eager estimator (``passes/trace.py``).
+loss step is charged to the last node, as a step outside every region: ``_charged_to``);
+autograd saves and the backward are attributed to forward nodes as in the eager estimator
+(``passes/trace.py``).
 ``passes/costing.py`` turns the records into the CostGraph (the same step as the eager
 estimator's), timed by the device rates the caller passes.
 
@@ -95,8 +96,13 @@ class _Step(fx.Interpreter):
 
 @contextlib.contextmanager
 def _charged_to(tracker: Tracker, last: int) -> Iterator[None]:
-    """Run the loss step as part of node ``last``'s forward: its FLOPs, traffic and working
-    set (its saves do not move the node's last save: recomputing the node runs no loss).
+    """Run the loss step charged to node ``last``, as a step outside every region: its working
+    set joins the node's forward peak; its FLOPs, traffic and calls go to the tracker's phase
+    "loss", which ``passes/costing.py`` adds to the node's backward (in the step's totals,
+    never in a region's recomputation or a selective policy's calls); what it saves for its
+    backward, its own storages and the outputs it reads, is held whatever the schedule
+    (``costing.loss_step_holds``), not dropped by a region that ends at ``last``. Its saves do
+    not move the node's last save: recomputing the node runs no loss.
 
     Needed in this form only. Here the CostGraph's nodes are the GraphModule's compute nodes,
     one to one (``compute_nodes``: regions are named by them), and a graph solver may place a

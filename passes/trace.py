@@ -29,6 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
 from planner.passes.nodes import written_arguments
@@ -124,6 +125,7 @@ class Save:
     node: int  # the node running when autograd saved it
     allocated: int | None  # storages that node's forward had allocated by then (None: outside it)
     owner: int | None = None  # the node whose backward unpacked it
+    outside: bool = False  # saved by the loss step (``Tracker.outside_node``)
 
 
 def is_tensor(x: Any) -> bool:
@@ -145,6 +147,9 @@ class Tracker(TorchDispatchMode):
         self.phase = "fwd"
         self.flops: dict[tuple[str, int], int] = defaultdict(int)
         self.moved_bytes: dict[tuple[str, int], int] = defaultdict(int)
+        # (phase, node) -> the calls a selective checkpoint's policy is asked about when the
+        # node runs in a region (Node.fwd_calls): not those torch lets through unasked
+        # (SAC_IGNORED_OPS: detach, metadata queries), nor the graph form's loss step
         self.call_counts: dict[tuple[str, int], int] = defaultdict(int)
         self.random_nodes: set[int] = set()
         self.sdpa_backends: set[str] = set()
@@ -168,8 +173,15 @@ class Tracker(TorchDispatchMode):
         self.saves: list[Save] = []
         self.internal = 0  # the tracker's own ops (detaching saves) are running: not the model's
         # ops run now are charged to ``node`` but are not its forward (the graph form's loss
-        # step): their saves do not move its last save
+        # step, which runs outside every region): their FLOPs, traffic and calls go to the
+        # phase "loss" (``passes/costing.py`` adds it to the node's backward, which no region
+        # recomputes), their saves do not move its last save, and what they keep for backward
+        # is held whatever the schedule (``loss_storages``, ``loss_held``)
         self.outside_node = False
+        self.loss_storages: list[Storage] = []  # the storages the loss step allocated
+        # storages of the graph's nodes (its outputs) that only the loss step saves, and the
+        # node whose backward unpacked them (the loss's backward is charged to it)
+        self.loss_held: list[tuple[Storage, int]] = []
 
     def _is_weight(self, t: Any) -> bool:
         """A parameter: what autocast caches the casts of (leaves that require grad)."""
@@ -188,18 +200,21 @@ class Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.internal:  # the tracker's own detach of a save: no op the step runs
+            return func(*args, **kwargs)
         if func is _GROUPED_MM and _grouped_mm_off_meta(*args, **kwargs):
             out = _grouped_mm_out(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         if self.autocast and func is torch.ops.aten._to_copy.default and self._is_weight(args[0]):
             self.cast_cache.append(out)
-        where = (self.phase, self.node)
+        where = ("loss" if self.outside_node else self.phase, self.node)
         packet = func._overloadpacket
         formula = _FLOP_FORMULAS.get(packet) or flop_registry.get(packet)
         flops = 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
         self.flops[where] += flops
-        self.call_counts[where] += 1
+        if func not in SAC_IGNORED_OPS:
+            self.call_counts[where] += 1
         if func in _SDPA_BACKENDS and self.phase == "fwd":
             self.sdpa_backends.add(_SDPA_BACKENDS[func])
         if torch.Tag.nondeterministic_seeded in func.tags and self.phase == "fwd":
@@ -244,6 +259,8 @@ class Tracker(TorchDispatchMode):
         rec = Storage(nbytes=st.nbytes(), node=self.node, phase=self.phase)
         self.by_key[st._cdata] = rec
         self.allocated[(self.phase, self.node)].append(rec)
+        if self.outside_node:
+            self.loss_storages.append(rec)
         self.live_bytes += rec.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         weakref.finalize(st, self._free, st._cdata, rec)
@@ -335,7 +352,7 @@ class Tracker(TorchDispatchMode):
     def _pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
         node = self.node
         allocated = None if self.outside_node else len(self.allocated[("fwd", node)])
-        self.saves.append(Save(self.lookup(t), node, allocated))
+        self.saves.append(Save(self.lookup(t), node, allocated, outside=self.outside_node))
         self.internal += 1
         try:
             # detached: a saved copy pointing back at its grad_fn would form a reference cycle
@@ -356,12 +373,26 @@ class Tracker(TorchDispatchMode):
         running when it was saved). In eager code an op's inputs are saved before the op
         reaches dispatch, so while the previous op is still the running node; in a graph the
         node runs before autograd and both are the same node."""
+        by_loss: list[tuple[Save, int]] = []  # the loss step's saves of the nodes' storages
+        loss_step = set(map(id, self.loss_storages))
         for s in self.saves:
             owner = s.node if s.owner is None else s.owner
             if owner < 0:
                 continue
+            if s.outside and s.storage is not None and id(s.storage) not in loss_step:
+                by_loss.append((s, owner))  # once the nodes' own saves are known
+                continue
             # Inputs are saved before the op allocates anything, outputs after.
             self._note_save(s.storage, owner, s.allocated if owner == s.node else 0)
+        for s, owner in by_loss:
+            rec = s.storage
+            assert rec is not None
+            if rec.is_output and not rec.saved_by:
+                # held by the loss step, outside every region, to its backward
+                if all(rec is not held for held, _ in self.loss_held):
+                    self.loss_held.append((rec, owner))
+            else:  # a node's save keeps it too (or it is no output): saved as by that node
+                self._note_save(rec, owner, s.allocated if owner == s.node else 0)
 
     def _note_save(self, rec: Storage | None, owner: int, allocated: int | None) -> None:
         """Autograd saved ``rec`` for node ``owner``'s backward. ``allocated``: the storages

@@ -450,28 +450,28 @@ def paired_calls(
     return pairs
 
 
+Pairs = Sequence[tuple[OpCall, OpCall, float]]  # what paired_calls returns
+
+
 def expected_times(
-    times_s: Mapping[str, float | None], previous: Sequence[OpCall], calls: Sequence[OpCall]
+    times_s: Mapping[str, float | None], pairs: Pairs
 ) -> dict[str, tuple[float, float]]:
-    """Call text -> (its counterpart's figure in ``times_s``, their size ratio), for the calls
-    of ``calls`` paired with one of ``previous`` (:func:`paired_calls`) that has a figure."""
+    """Call text -> (its counterpart's figure in ``times_s``, their size ratio), for the larger
+    call of each of ``pairs`` (:func:`paired_calls`) whose smaller one has a figure."""
     out: dict[str, tuple[float, float]] = {}
-    for small, large, ratio in paired_calls(previous, calls):
+    for small, large, ratio in pairs:
         small_s = times_s.get(small.key_text)
         if small_s is not None and large.key_text not in out:
             out[large.key_text] = (small_s, ratio)
     return out
 
 
-def scaled_times(
-    calibration: Calibration, previous: Sequence[OpCall], calls: Sequence[OpCall]
-) -> dict[str, float]:
-    """The calls of ``calls`` priced from their counterparts in ``previous`` (``BatchSweep``)."""
+def scaled_times(calibration: Calibration, pairs: Pairs) -> dict[str, float]:
+    """The larger calls of ``pairs`` (:func:`paired_calls`) that ``calibration`` lacks, priced
+    from their smaller counterparts' figures in it (``BatchSweep``)."""
     return {
         text: small_s * ratio
-        for text, (small_s, ratio) in expected_times(
-            calibration.op_times_s, previous, calls
-        ).items()
+        for text, (small_s, ratio) in expected_times(calibration.op_times_s, pairs).items()
         if small_s >= SCALE_MIN_S and text not in calibration.op_times_s
     }
 
@@ -559,11 +559,11 @@ class CalibrationTimer:
             sweep = _SWEEP.get()
             scaled = expected = None
             if sweep is not None and sweep.last_calls is not None:
+                pairs = paired_calls(sweep.last_calls, calls)
                 earlier_s = {**sweep.last_times_s, **calibration.op_times_s}
-                paired = expected_times(earlier_s, sweep.last_calls, calls)
+                paired = expected_times(earlier_s, pairs)
                 expected = {text: small_s * ratio for text, (small_s, ratio) in paired.items()}
-                scaled = scaled_times(calibration, sweep.last_calls, calls)
-                scaled = _per_op_corrected(scaled, calls, device)
+                scaled = _per_op_corrected(scaled_times(calibration, pairs), calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
             if new:
                 calibration = calibration.with_times(new)

@@ -8,8 +8,9 @@ this module imports nothing of the pipeline, and ``report``, ``plots`` and ``pla
 read plans, import nothing of the pipeline but this.
 
 A new prediction is one more field of :class:`Predictions` (a unit at the end of its name:
-``_bytes``, ``_flops``, ``_s``) and the code that computes it (``priced.predictions``); the
-plan file and the summary read the fields as they find them.
+``_bytes``, ``_flops``, ``_s``) and the line of :meth:`Predictions.of` that computes it from
+the priced step and its simulation; the plan file and the summary read the fields as they find
+them.
 """
 
 from __future__ import annotations
@@ -88,6 +89,19 @@ class Predictions:
             "step_time_s",
         }
     )
+
+    @classmethod
+    def of(cls, graph: CostGraph, simulation: Simulation, baseline_peak_bytes: int) -> Predictions:
+        """What a plan of either form predicts: ``simulation`` of a schedule over the priced
+        step ``graph``, whose peak without checkpointing is ``baseline_peak_bytes``."""
+        return cls(
+            peak_bytes=simulation.peak_bytes,
+            baseline_peak_bytes=baseline_peak_bytes,
+            recompute_flops=simulation.recompute_flops,
+            step_flops=graph.step_flops,
+            recompute_time_s=simulation.recompute_time_s,
+            step_time_s=simulation.step_time_s,
+        )
 
     def others(self) -> tuple[tuple[str, float], ...]:
         """(name, value) of every field not in ``described``, in declaration order."""

@@ -85,14 +85,7 @@ def predictions(
     return dict(
         solver=schedule.solver,
         budget_bytes=budget_bytes,
-        predictions=Predictions(
-            peak_bytes=simulation.peak_bytes,
-            baseline_peak_bytes=baseline_peak_bytes,
-            recompute_flops=simulation.recompute_flops,
-            step_flops=graph.step_flops,
-            recompute_time_s=simulation.recompute_time_s,
-            step_time_s=simulation.step_time_s,
-        ),
+        predictions=Predictions.of(graph, simulation, baseline_peak_bytes),
         notes=schedule.note,
         graph=graph,
         schedule=schedule,
@@ -163,23 +156,18 @@ class Priced:
         budget_bytes: int,
         solver: str = "auto",
         *,
-        objective: Objective = "time",
-        max_recompute_flops_fraction: float | None = None,
         compiled: bool = False,
         on_step: OnStep = _no_progress,
-        **solver_opts: Any,
+        **solve_options: Any,
     ) -> Plan:
-        """Steps 3 and 4: solve for ``budget_bytes`` with ``solver`` and build the plan."""
+        """Steps 3 and 4: :meth:`solve` for ``budget_bytes`` with ``solver`` and build the plan.
+
+        ``solve_options``: the rest of :meth:`solve`'s keywords (``objective``,
+        ``max_recompute_flops_fraction``, the solver's own options), handed on unchanged;
+        ``compiled`` also marks the built plan (:meth:`build_solved`)."""
         on_step("solve")
         t0 = time.perf_counter()
-        schedule = self.solve(
-            budget_bytes,
-            solver,
-            objective=objective,
-            max_recompute_flops_fraction=max_recompute_flops_fraction,
-            compiled=compiled,
-            **solver_opts,
-        )
+        schedule = self.solve(budget_bytes, solver, compiled=compiled, **solve_options)
         solve_time_s = time.perf_counter() - t0
         on_step("build")
         return self.build_solved(schedule, budget_bytes, solve_time_s, compiled)

@@ -325,3 +325,83 @@ def test_op_class_table_names_every_forward_convolution_this_torch_has():
         if ("conv" in n and "convert" not in n and "backward" not in n and "reorder" not in n)
     }
     assert forward_convs and forward_convs <= CONVOLUTION_OPS
+
+
+def test_fwd_calls_are_the_calls_a_selective_policy_sees_per_node():
+    """``Node.fwd_calls`` prices a selective region's policy per call (costgraph's
+    ``selective_call_overhead_s``): it counts what the policy is asked about when the captured
+    graph runs under one, node by node; not the tracker's own detach of each save, the ops
+    torch lets through unasked, nor the loss step charged to the last node (outside every
+    region)."""
+    import functools
+    from collections import Counter
+
+    import torch.fx as fx
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    captured = capture(model, x)
+    graph = estimate(
+        captured.module,
+        captured.args,
+        captured.kwargs,
+        lambda out: nn.functional.cross_entropy(out, out.detach().argmax(-1)),
+        rates=profile_of_model(captured.module),
+    )
+
+    asked: Counter[str] = Counter()
+    running = [""]
+
+    class ByNode(fx.Interpreter):
+        def run_node(self, n):
+            running[0] = n.name
+            return super().run_node(n)
+
+    def policy(ctx, op, *args, **kwargs):
+        if not ctx.is_recompute:
+            asked[running[0]] += 1
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    checkpoint(
+        lambda t: ByNode(captured.module).run(t),
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+    )
+    assert sum(asked.values()) > 0
+    names = [n.name for n in graph.nodes]
+    assert [n.fwd_calls for n in graph.nodes] == [asked[name] for name in names]
+
+
+def test_the_graph_forms_loss_step_is_outside_every_region():
+    """The loss runs after the captured graph, outside every region, though the graph form
+    charges it to the last node (``estimate._charged_to``): a region ending at that node must
+    neither drop what the loss saves for its backward (here a 1 MiB product and the output),
+    which the step holds whatever the schedule, nor recompute the loss's FLOPs."""
+    from planner.graph_form import price
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64))
+    x = torch.randn(512, 16)
+
+    def gram_loss(out):  # saves the 512 x 512 product for square's backward
+        return (out @ out.T).square().sum()
+
+    priced = price(model, x, loss_fn=gram_loss, device="cpu")
+    summed = price(model, x, loss_fn=lambda out: out.sum(), device="cpu")
+    n = len(priced.graph.nodes)
+    output_bytes = 512 * 64 * F32
+    product_flops = 2 * 512 * 64 * 512  # square and sum count none
+    # the product, and its two gradients in backward: in the step, as the loss runs it
+    assert priced.graph.step_flops == summed.graph.step_flops + 3 * product_flops
+    for start in range(n):
+        schedule = Schedule(regions=(Region(start, n),), solver="test")
+        p = priced.build(schedule, 10**9)
+        measured = measure(p.module, x, gram_loss).peak_bytes
+        # never under; over by at most the output (freed in the loss's backward, before the
+        # last node's, which the loss's backward is charged to)
+        assert 0 <= p.predicted_peak_bytes - measured <= output_bytes, (start, measured)
+        same = summed.build(schedule, 10**9)
+        assert p.predicted_recompute_flops == same.predicted_recompute_flops

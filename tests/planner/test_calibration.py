@@ -314,7 +314,15 @@ def test_a_batch_sweep_prices_larger_batches_from_smaller_ones(cache, monkeypatc
         seen.append(list(calls))
         return timed(cal, calls, device, *args)
 
+    pairings = []
+    paired = calibration.paired_calls
+
+    def pairing(previous, calls):
+        pairings.append(len(calls))
+        return paired(previous, calls)
+
     monkeypatch.setattr(calibration, "_time_missing", recording)
+    monkeypatch.setattr(calibration, "paired_calls", pairing)
     monkeypatch.setattr(calibration, "SCALE_MIN_S", 0.0)  # the tiny model's calls all scale
     model, _ = _example()
     fit = planner.fit_batch(model, lambda b: _example(b)[1], 1.0, batch_sizes=[2, 4], progress=0)
@@ -322,11 +330,12 @@ def test_a_batch_sweep_prices_larger_batches_from_smaller_ones(cache, monkeypatc
     assert MEASUREMENTS["scaled"] > 0
     held = next(iter(calibration._PROCESS.values()))
     small, large = seen
+    assert pairings == [len(large)]  # the larger batch's calls, paired once
     # what the calibration held when the larger batch was priced: the smaller one's calls
     before = dataclasses.replace(
         held, op_times_s={c.key_text: held.op_times_s[c.key_text] for c in small}
     )
-    scaled = calibration.scaled_times(before, small, large)
+    scaled = calibration.scaled_times(before, paired(small, large))
     mm = [c for c in large if "aten.mm" in str(c.op) and c.key_text in scaled]
     assert mm, "the matmuls on the batch's rows should scale"
     factors: dict[str, set[float]] = {}

@@ -1,51 +1,45 @@
 """A prediction added to the plan type reaches the plan file, the summary and compare's table
 with no other change: they read ``plans.Predictions`` field by field, units from the names.
 
-The test adds one the way a contributor would: a Predictions with one more field (here a
-subclass, so the real type stays as it is) and the code that computes it (``predictions``,
-which the forms call to fill a plan). Old plan files, saved before fields were added, load.
+The test adds one the way a contributor would: a Predictions with one more field and its line
+in ``Predictions.of``, which both forms' plans are filled from (here a subclass, so the real
+type stays as it is). Old plan files, saved before fields were added, load.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 from torch import nn
 
 import planner
-from planner import graph_form, inplace_form, plans, priced
+from planner import inplace_form, plans, priced
 from planner.plan_file import _checksum
 from planner.report import format_bytes
-
-
-@dataclass(frozen=True)
-class WithSaved(plans.Predictions):
-    saved_for_backward_bytes: int = 0  # what the step keeps for backward without checkpointing
 
 
 def saved_for_backward_bytes(graph) -> int:
     return sum(t.size_bytes for t in graph.tensors if t.saved_by)
 
 
+@dataclass(frozen=True)
+class WithSaved(plans.Predictions):
+    saved_for_backward_bytes: int = 0  # what the step keeps for backward without checkpointing
+
+    @classmethod
+    def of(cls, graph, simulation, baseline_peak_bytes):
+        fields = super().of(graph, simulation, baseline_peak_bytes)
+        return replace(fields, saved_for_backward_bytes=saved_for_backward_bytes(graph))
+
+
 @pytest.fixture
 def extended(monkeypatch):
-    """The plan type and the code that computes its predictions, one field more."""
-    real = priced.predictions
-
-    def computing(graph, schedule, simulation, budget_bytes, baseline_peak_bytes=None):
-        fields = real(graph, schedule, simulation, budget_bytes, baseline_peak_bytes)
-        fields["predictions"] = WithSaved(
-            **asdict(fields["predictions"]),
-            saved_for_backward_bytes=saved_for_backward_bytes(graph),
-        )
-        return fields
-
+    """The plan type, one field more, where the pipeline and the plan file look it up."""
     monkeypatch.setattr(plans, "Predictions", WithSaved)
-    for form in (graph_form, inplace_form):  # where the forms call it
-        monkeypatch.setattr(form, "predictions", computing)
+    monkeypatch.setattr(priced, "Predictions", WithSaved)
 
 
 def _model() -> nn.Module:
