@@ -14,7 +14,9 @@ here opens one record per aten op; ``passes/costing.py`` turns the records into 
 as for ``estimate``. An op's grad_fn is attached after it returns from dispatch, so the previous
 ops' outputs (held by weakref only) are claimed as the next op starts (``Tracker.claim``), and a
 save, which autograd makes before the op reaches dispatch, is attributed to the node whose
-backward unpacks it (``Tracker.saving``).
+backward unpacks it (``Tracker.saving``). The model's forward then runs once more, under
+``torch.no_grad()``, only to learn when Python drops the storages autograd saved
+(``_python_lifetimes``).
 
 Module calls: every submodule's ``forward`` is wrapped during the run (an instance attribute,
 removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what

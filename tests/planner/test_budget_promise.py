@@ -374,6 +374,24 @@ def test_saved_storage_python_holds_past_its_region_is_priced_as_measured(paths)
     assert planner.measure(model, x).peak_bytes == p.predicted_peak_bytes
 
 
+class GradOnly(HeldNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            raise RuntimeError("this model runs only with gradients")
+        return super().forward(x)
+
+
+def test_a_forward_that_fails_without_grad_is_planned_and_says_so() -> None:
+    """The lifetimes come from a second forward under ``no_grad``; a model that refuses it is
+    priced as before (its held storages dead at their last reader), and the summary says so."""
+    torch.manual_seed(0)
+    p = planner.plan(GradOnly(), torch.randn(ROWS, WIDTH), 10**9 / 1e9, device="cpu")
+    assert p.graph.meta["python_lifetimes"].startswith("unknown")
+    assert "this model runs only with gradients" in p.summary()
+    probs = [t for t in p.graph.tensors if "_softmax" in t.name]
+    assert len(probs) == 3 and all(t.freed_after == -1 for t in probs)
+
+
 # --- BatchNorm's saved running statistics in a recomputation --------------------------------
 
 
