@@ -14,7 +14,9 @@ here opens one record per aten op; ``passes/costing.py`` turns the records into 
 as for ``estimate``. An op's grad_fn is attached after it returns from dispatch, so the previous
 ops' outputs (held by weakref only) are claimed as the next op starts (``Tracker.claim``), and a
 save, which autograd makes before the op reaches dispatch, is attributed to the node whose
-backward unpacks it (``Tracker.saving``).
+backward unpacks it (``Tracker.saving``). The model's forward then runs once more, under
+``torch.no_grad()``, only to learn when Python drops the storages autograd saved
+(``_python_lifetimes``).
 
 Module calls: every submodule's ``forward`` is wrapped during the run (an instance attribute,
 removed afterwards), so a span is exactly the ops a wrapped ``forward`` runs -- what
@@ -28,6 +30,7 @@ region's recomputation runs on copies of, so they are updated once per step.
 
 from __future__ import annotations
 
+import difflib
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -334,12 +337,89 @@ def eager_graph(
     # node -> the model state it writes, by buffer name (None: state that is no buffer)
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
+    lifetimes = _python_lifetimes(model, example_input, loss_fn, tracker)
 
     graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
-    graph = replace(graph, meta={**graph.meta, "precision": precision_text(model)})
+    meta = {**graph.meta, "precision": precision_text(model), "python_lifetimes": lifetimes}
+    graph = replace(graph, meta=meta)
     if time_ops:
         graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
     return _candidates(model, graph, calls, written, tracker.aliased_args)
+
+
+def _python_lifetimes(
+    model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, tracker: _OpTracker
+) -> str:
+    """Learn when Python drops the storages autograd saved, and note it in ``tracker.died_at``.
+
+    A storage saved for backward outlives the forward in the priced run, so its finalizer never
+    says when Python let go of it; but inside a region, which saves nothing, Python's own
+    references are what keep it (``Tensor.freed_after``, simulate's Rule 1). Bloom's attention
+    returns its (B, H, S, S) attention probabilities beside its output, and the model's block
+    loop holds them in ``outputs`` until the next block returns: priced dead at the region's end,
+    a checkpointed Bloom measured 838,144 B above its prediction. So the model's forward runs a
+    second time on fake tensors under ``torch.no_grad()``, where nothing is saved and every
+    storage dies when Python drops it; its ops are matched to the priced run's by name
+    (``<module path>:<op>:<k>``), op and output shapes, and each saved storage takes the death
+    of its counterpart (an op of that run that the priced run lacks maps to the priced run's
+    node before the next match: later, on the safe side). Returns how it went, for the graph's
+    ``meta``.
+    """
+    saved = [
+        (i, j, rec)
+        for (phase, i), recs in tracker.allocated.items()
+        if phase == "fwd" and i >= 0
+        for j, rec in enumerate(recs)
+        if rec.saved_by and id(rec) not in tracker.died_at and id(rec) not in tracker.casts
+    ]
+    if not saved:
+        return "no saved storage"
+    other = _OpTracker()
+    fs = fake_step(model, example_input, other)
+    call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
+    _, kwargs = split_input(example_input)
+    try:
+        with (
+            _mask_decisions_as_eager(kwargs),
+            _recording_calls(model, other),
+            fs.running(),
+            torch.no_grad(),
+        ):
+            other.recording = True
+            with amp_forward():
+                out = model(*call_args, **call_kwargs)
+            other.claim_pending()
+            other.recording = False
+            del out
+    except Exception as e:  # noqa: BLE001 - the priced run stands; only these lifetimes are lost
+        return f"unknown for saved storages (the forward under no_grad failed: {e!r:.200})"
+    key = [(r.name, r.op, tuple(r.shapes)) for r in tracker.records]
+    key_other = [(r.name, r.op, tuple(r.shapes)) for r in other.records]
+    to_priced: dict[int, int] = {}  # node of the no_grad run -> the priced run's node
+    if key == key_other:
+        to_priced = {k: k for k in range(len(key))}
+    else:
+        matcher = difflib.SequenceMatcher(None, key, key_other, autojunk=False)
+        for a, b, size in matcher.get_matching_blocks():
+            to_priced.update({b + d: a + d for d in range(size)})
+    from_priced = {a: b for b, a in to_priced.items()}
+    # an unmatched node of the no_grad run: the priced node before the next matched one
+    later = [len(tracker.records) - 1] * (len(other.records) + 1)
+    for b in range(len(other.records) - 1, -1, -1):
+        later[b] = to_priced[b] if b in to_priced else later[b + 1] - (b + 1 in to_priced)
+    held = 0
+    for i, j, rec in saved:
+        b = from_priced.get(i)
+        if b is None:
+            continue
+        recs = other.allocated.get(("fwd", b), [])
+        if len(recs) <= j or recs[j].nbytes != rec.nbytes:
+            continue
+        died = other.died_at.get(id(recs[j]))
+        if died is not None and died >= 0:
+            tracker.died_at[id(rec)] = later[died]
+            held += 1
+    return f"from a forward under no_grad: {held} of {len(saved)} saved storages"
 
 
 def _read_by_calls(tracker: _OpTracker) -> None:

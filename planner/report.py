@@ -236,6 +236,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         )
     if graph.meta.get("precision"):  # the dtypes it was priced in: plan as you train
         lines.append(f"priced in {graph.meta['precision']}")
+    lifetimes = graph.meta.get("python_lifetimes", "")
+    if lifetimes.startswith("unknown"):  # passes/eager.py _python_lifetimes: not on the safe side
+        lines.append(
+            f"Python's lifetimes are {lifetimes}: a storage a region's caller holds past the "
+            f"region may measure above the prediction"
+        )
     if plan.regions:
         lines.append(
             f"{len(plan.regions)} regions keep {format_bytes(freed_bytes)} less for backward "

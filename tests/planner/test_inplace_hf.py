@@ -175,18 +175,10 @@ def any_applied(request) -> Applied:
 
 
 # Known defects of the in-place planner (branch inplace), each a reproducer for the report;
-# strict, so a fix shows as XPASS. (check, model) -> cause.
-_HELD_OUTPUT = (
-    "BloomAttention returns attention_probs (B x H x S x S) next to its output; BloomBlock "
-    "returns it and BloomModel's loop holds it in `outputs` until the next block returns. "
-    "Without checkpointing autograd saves it anyway, so the fake run's storage deaths never "
-    "show that Python lifetime, and a checkpointed block's copy is priced dead at the region's "
-    "end: measured 7.64 MiB vs predicted 7.03 MiB. With attention_probs replaced by None in "
-    "the returned tuple, predicted == measured to the byte"
-)
-KNOWN: dict[tuple[str, str], str] = {
-    ("prediction", "bloom"): _HELD_OUTPUT,
-}
+# strict, so a fix shows as XPASS. (check, model) -> cause. (Bloom's prediction, 7.07 MiB
+# against 8.25 MiB measured, was one: its attention probabilities, held by the block loop past
+# the region's end, are now priced as held: passes/eager.py ``_python_lifetimes``.)
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def expect_defect(request, check: str, name: str) -> None:
