@@ -74,6 +74,12 @@ time limit (``DPOptions.time_limit_s``) cuts the next level short or leaves too 
 start it; the note names the space of the level that answered and what was cut short. The
 programme assumes every tensor a node saves is one it reads or produces (true of autograd).
 :func:`solve_dp` replays its answer through ``simulate``.
+
+The least feasible budget dp states is not its search's: that moved with the budget's grid,
+the objective and how far the time limit let the search get (Qwen2-MoE graph form: 994,216 B
+stated at 1 B, then 1,055,976 B at 994,216 B). It is :func:`least_memory`'s, one schedule
+sought on a space fixed by counted work, on the graph with objective-free times, and dp
+answers with it wherever its search finds nothing within a budget it fits.
 """
 
 from __future__ import annotations
@@ -1506,10 +1512,12 @@ def is_staged(graph: CostGraph, options: DPOptions) -> bool:
 def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Schedule:
     """Least recompute time within the budget over nested regions (the space: DPOptions).
 
-    Feasibility is monotone in the budget: when the budget's own grid finds nothing that
-    ``simulate`` fits (rounding up, or a model disagreement), the least-memory schedule (one
-    schedule, whatever the budget) answers if it fits, and its peak is the least budget the
-    error states. So every budget above a stated least is planned.
+    The least budget it states is :func:`least_memory`'s: one schedule's peak by ``simulate``,
+    sought on a space fixed by counted work (no deadline) over the graph with objective-free
+    times, so the same whatever the budget asked, the objective, the time limit and the load.
+    When nothing of the space searched fits the budget on its grid (rounding up, or a model
+    disagreement), that schedule answers if it fits: every budget from the least it states up
+    is planned.
 
     Anytime within ``options.time_limit_s`` (seconds of this process's CPU time): on a graph
     with at least twice FIRST_STAGES region boundaries it solves coarse to fine
@@ -1520,8 +1528,8 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
     A refinement predicted not to finish in the time left (the last level's work per stage
     times its stages, counted: ``WORK``, not timed) is not started. A programme cut short
-    answers nothing: with no level done, dp answers with ``greedy``'s schedule; the note says
-    so.
+    answers nothing: with no level done, dp answers with ``greedy``'s schedule (else
+    ``revolve``'s, else the least-memory one); the note says so.
     """
     # dp's time limit is this process's CPU time, as every solver's (SolverOptions.deadline):
     # other jobs on the machine stretch its wall time, not its work, and must not cut a level
