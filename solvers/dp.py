@@ -1288,13 +1288,12 @@ LEAST_CACHE_SIZE = 4
 @dataclass(frozen=True)
 class LeastMemory:
     """dp's least-memory schedule: ``peak_bytes`` its peak by ``simulate``, the least budget dp
-    states (every budget from it up is planned: :func:`solve_dp`); ``space`` names the levels
-    searched; ``exact``: the least of dp's whole space on a 1-byte grid, by simulate's prices."""
+    states (every budget from it up is planned: :func:`solve_dp`); ``space`` names the space
+    of the level that found it."""
 
     peak_bytes: int
     schedule: Schedule
     space: str
-    exact: bool
 
 
 def memory_graph(graph: CostGraph) -> CostGraph:
@@ -1346,13 +1345,11 @@ def _seek_least_memory(graph: CostGraph, options: DPOptions) -> LeastMemory:
     eager = simulate(graph, Schedule()).peak_bytes
     # The eager step itself, for when no schedule lowers its peak: rounded up onto the grid,
     # none (the eager one included) then fits under it.
-    best = (eager, Schedule(), "the eager step", False)
+    best = (eager, Schedule(), "the eager step")
     options = replace(options, first_stages=FIRST_STAGES)
-    every, _ = _space(graph, options)
-    every = every and _prices_exactly(graph)
     spent_s, done = 0.0, None  # nominal work so far; (size, nominal s) of the last level
     levels = dp_levels(graph, eager, options)
-    for k, (_, level_options, stages) in enumerate(levels):
+    for _, level_options, stages in levels:
         span = stages if level_options.max_span is None else min(level_options.max_span, stages)
         # the work grows about as stages x span^2 x grid (Qwen2-MoE: 43 stages, span 4: 1.5 s;
         # 178, span 8: 25 s)
@@ -1371,11 +1368,9 @@ def _seek_least_memory(graph: CostGraph, options: DPOptions) -> LeastMemory:
             seen.add(schedule.regions)
             peak = simulate(graph, schedule).peak_bytes
             if peak < best[0]:
-                finest = k == len(levels) - 1
-                exact = every and finest and solved.unit_bytes == 1
-                best = (peak, schedule, _space(graph, level_options)[1], exact)
-    peak, schedule, level, exact = best
-    return LeastMemory(peak, Schedule(schedule.regions, "dp"), level, exact)
+                best = (peak, schedule, _space(graph, level_options)[1])
+    peak, schedule, space = best
+    return LeastMemory(peak, Schedule(schedule.regions, "dp"), space)
 
 
 def least_memory_schedule(
@@ -1619,6 +1614,6 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     least = least_memory(graph, options)
     if least.peak_bytes > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, least.peak_bytes, "(solver 'dp')")
-    gap = 0.0 if least.exact and least.peak_bytes == budget_bytes else None
+    # Not proven the least time within the budget: it is picked on objective-free times.
     note = f"least-memory schedule (searched over {least.space}){stopped}"
-    return finish(graph, budget_bytes, least.schedule.regions, "dp", note, gap=gap)
+    return finish(graph, budget_bytes, least.schedule.regions, "dp", note)
