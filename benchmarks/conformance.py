@@ -71,15 +71,6 @@ def known_cause(p: Point) -> str | None:
     report then says what the point itself shows (nested regions, the no-checkpoint prediction
     off, MemTracker disagreeing)."""
     under_bytes = p.measured_bytes - p.predicted_bytes
-    if p.failure.startswith("InfeasibleBudgetError") and p.form == "graph":
-        return (
-            "the least feasible budget auto stated (solving at 1 B, objective time) was not "
-            "reached by the next solve at that budget, which stated a higher one: dp's least "
-            "moves with the budget it solves at and with the objective (qwen2_moe: dp at 1 B "
-            "states 994,216 B, dp at 994,216 B states 1,055,976 B, each after 48 s of CPU, near "
-            "its time limit; qwen2: 663,385 B with objective time, 674,009 B with flops); why "
-            "is not yet found"
-        )
     if p.model == "cnn" and p.form == "graph" and under_bytes == 64:
         return (
             "64 B appear at conv2d_2's backward right after its region's recomputation (a "

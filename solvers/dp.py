@@ -75,6 +75,12 @@ time limit (``DPOptions.time_limit_s``) cuts the next level short or leaves too 
 start it; the note names the space of the level that answered and what was cut short. The
 programme assumes every tensor a node saves is one it reads or produces (true of autograd).
 :func:`solve_dp` replays its answer through ``simulate``.
+
+The least feasible budget dp states is not its search's: that moved with the budget's grid,
+the objective and how far the time limit let the search get (Qwen2-MoE graph form: 994,216 B
+stated at 1 B, then 1,055,976 B at 994,216 B). It is :func:`least_memory`'s, one schedule
+sought on a space fixed by counted work, on the graph with objective-free times, and dp
+answers with it wherever its search finds nothing within a budget it fits.
 """
 
 from __future__ import annotations
@@ -1262,33 +1268,132 @@ def without_selective(solved: Solved) -> Solved:
     return _run(solved.graph, again)
 
 
-def least_memory_schedule(
-    graph: CostGraph, options: DPOptions = DPOptions(), deadline: float | None = None
-) -> tuple[int, Schedule]:
-    """The programme's least-memory schedule and its peak by ``simulate``.
+# The least-memory schedule (:func:`least_memory`) is sought on dp's levels coarse to fine
+# (:func:`dp_levels`, from FIRST_STAGES stages, on the eager peak's grid), each one solved
+# whole, while the work the next is predicted to take (nominal, counted: ``WORK``) keeps the
+# whole search within this many nominal seconds. A fixed count, not the time limit: the least
+# stated must not move with the time a caller (auto's share for dp) leaves, nor with the load.
+# Qwen2 graph form (112 boundaries): 40 stages 1.4 s, all 112 (predicted 16 s) 9.6 s, 661,128 B
+# against 739,424 B; Qwen2-MoE (178): 43 stages 1.5 s, all 178 predicted 25 s: not refined.
+LEAST_NOMINAL_S = 20.0
+# Of each level's table, the schedules of this many of its least finite budgets are replayed
+# through simulate and the lowest peak kept: the programme's rounded (and, where the graph
+# uses simulate's approximated rules, estimated) prices do not rank the few least schedules
+# as simulate does (Qwen2: its least cell 663,385 B by simulate, a later one 661,128 B).
+LEAST_CELLS = 32
+# Least-memory schedules already sought, by (graph as least_memory sees it, its space): a
+# sweep of budgets, the flops objective's graph and auto's calls then seek it once.
+LEAST_CACHE_SIZE = 4
 
-    Solved twice: on the eager peak's grid to find it roughly, then on a grid up to that
-    answer, whose finer steps round less and so reach lower."""
-    cap = simulate(graph, Schedule()).peak_bytes
+
+@dataclass(frozen=True)
+class LeastMemory:
+    """dp's least-memory schedule: ``peak_bytes`` its peak by ``simulate``, the least budget dp
+    states (every budget from it up is planned: :func:`solve_dp`); ``space`` names the space
+    of the level that found it."""
+
+    peak_bytes: int
+    schedule: Schedule
+    space: str
+
+
+def memory_graph(graph: CostGraph) -> CostGraph:
+    """``graph`` as the least-memory search sees it: its memory as it is, every node's
+    recomputation timed by the roofline and no checkpoint overhead, so that the objective's
+    re-timing (``graph_for_objective``, ``weighted_graph``: memory unchanged) does not change
+    which of the least-memory schedules is picked (the least the error states)."""
+    nodes = tuple(
+        replace(
+            nd,
+            fwd_time_s=max(
+                nd.fwd_flops / graph.flops_per_s, nd.fwd_bytes_accessed / graph.bytes_per_s
+            ),
+        )
+        for nd in graph.nodes
+    )
+    return replace(
+        graph,
+        nodes=nodes,
+        recompute_scale=1.0,
+        region_overhead_s=0.0,
+        saving_node_overhead_s=0.0,
+        selective_call_overhead_s=0.0,
+    )
+
+
+def least_memory(graph: CostGraph, options: DPOptions = DPOptions()) -> LeastMemory:
+    """dp's least-memory schedule over its space without selective regions (whose recomputation
+    simulate prices higher than dp), the same whatever the budget asked, the objective, the
+    time limit and the load: the least :func:`solve_dp` states, and what it answers with at
+    that budget when its search finds nothing (rounding to the budget's grid).
+
+    No deadline: the levels searched are fixed by counted work (LEAST_NOMINAL_S), the coarsest
+    always. Cached (LEAST_CACHE_SIZE graphs)."""
+    key = (memory_graph(graph), replace(options, time_limit_s=0.0, selective=False))
+    got = _LEAST_CACHE.pop(key, None)
+    if got is None:
+        got = _seek_least_memory(*key)
+    _LEAST_CACHE[key] = got  # the most recent last
+    while len(_LEAST_CACHE) > LEAST_CACHE_SIZE:
+        del _LEAST_CACHE[next(iter(_LEAST_CACHE))]
+    return got
+
+
+_LEAST_CACHE: dict[tuple[CostGraph, DPOptions], LeastMemory] = {}
+
+
+def _seek_least_memory(graph: CostGraph, options: DPOptions) -> LeastMemory:
+    eager = simulate(graph, Schedule()).peak_bytes
     # The eager step itself, for when no schedule lowers its peak: rounded up onto the grid,
     # none (the eager one included) then fits under it.
-    best = (cap, Schedule())
-    for _ in range(2):
-        solved = solve_all(graph, cap, options, deadline)
-        least = solved.least_bytes()
-        if least is None:
+    best = (eager, Schedule(), "the eager step")
+    options = replace(options, first_stages=FIRST_STAGES)
+    spent_s, done = 0.0, None  # nominal work so far; (size, nominal s) of the last level
+    levels = dp_levels(graph, eager, options)
+    for _, level_options, stages in levels:
+        span = stages if level_options.max_span is None else min(level_options.max_span, stages)
+        # the work grows about as stages x span^2 x grid (Qwen2-MoE: 43 stages, span 4: 1.5 s;
+        # 178, span 8: 25 s)
+        size = stages * span * span * level_options.grid
+        if done is not None and spent_s + done[1] * size / done[0] > LEAST_NOMINAL_S:
             break
-        schedule = solved.schedule(least)
-        peak = simulate(graph, schedule).peak_bytes
-        if peak < best[0]:
-            best = (peak, schedule)
-        cap = peak
-    return best
+        work0_s = WORK.nominal_s()
+        solved = solve_all(graph, eager, level_options)
+        done = (size, WORK.nominal_s() - work0_s)
+        spent_s += done[1]
+        seen: set[tuple[Region, ...]] = set()
+        for m in np.flatnonzero(solved.root_value < INF)[:LEAST_CELLS]:
+            schedule = solved.schedule(int(m) * solved.unit_bytes)
+            if schedule is None or schedule.regions in seen:
+                continue
+            seen.add(schedule.regions)
+            peak = simulate(graph, schedule).peak_bytes
+            if peak < best[0]:
+                best = (peak, schedule, _space(graph, level_options)[1])
+    peak, schedule, space = best
+    return LeastMemory(peak, Schedule(schedule.regions, "dp"), space)
+
+
+def least_memory_schedule(
+    graph: CostGraph, options: DPOptions = DPOptions()
+) -> tuple[int, Schedule]:
+    """(:func:`least_memory`'s peak by ``simulate``, its schedule)."""
+    found = least_memory(graph, options)
+    return found.peak_bytes, found.schedule
 
 
 def least_peak(graph: CostGraph, options: DPOptions = DPOptions()) -> int:
-    """The least peak (by ``simulate``) of the programme's least-memory schedule."""
-    return least_memory_schedule(graph, options)[0]
+    """The least budget dp states and plans (:func:`least_memory`)."""
+    return least_memory(graph, options).peak_bytes
+
+
+def _prices_exactly(graph: CostGraph) -> bool:
+    """Whether dp's prices are simulate's on ``graph`` (see the module docstring)."""
+    return not (
+        any(nd.state_bytes for nd in graph.nodes)
+        or any(t.freed_after > t.producer for t in graph.tensors)
+        or graph.region_state_bytes
+    )
 
 
 def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
@@ -1353,21 +1458,14 @@ class _NoFit(Exception):
 
 
 def _solve_within(
-    graph: CostGraph,
-    budget_bytes: float,
-    options: DPOptions,
-    deadline: float,
-    eager: int,
-    least_memory: bool = True,
-):
+    graph: CostGraph, budget_bytes: float, options: DPOptions, deadline: float, eager: int
+) -> tuple[tuple[Region, ...], str, float | None]:
     """(regions, note, gap) of the least recompute time within budget over ``options``'
-    space; OutOfTime past ``deadline``. When nothing fits: InfeasibleBudgetError with the
-    space's least peak, or _NoFit without seeking it (``least_memory`` False)."""
+    space; OutOfTime past ``deadline``; _NoFit when nothing of it fits on the budget's grid
+    (:func:`solve_dp` then answers with :func:`least_memory`'s schedule if it fits)."""
     every, note = _space(graph, options)
     # Optimal for simulate only where its prices are simulate's (see the module docstring).
-    every = every and not any(nd.state_bytes for nd in graph.nodes)
-    every = every and not any(t.freed_after > t.producer for t in graph.tensors)
-    every = every and not graph.region_state_bytes
+    every = every and _prices_exactly(graph)
     # (predicted step time, regions, gap, whether below the budget by dp's prices): the
     # answers that fit by simulate, of the space with selective regions and without
     fits: list[tuple[float, tuple[Region, ...], float | None, bool]] = []
@@ -1400,21 +1498,32 @@ def _solve_within(
         if tightened:
             note += ", planned below the budget by dp's prices (simulate prices its answer higher)"
         return regions, note, gap
-    if not least_memory:
-        raise _NoFit
-    opts = replace(options, selective=False)
-    found = least_memory_schedule(graph, opts, deadline)
-    if found is None:  # bytes rounded up to the grid add up past the eager peak itself
-        detail = (
-            f"(solver 'dp': on its grid of {options.grid} steps nothing fits below the eager "
-            f"peak; a finer DPOptions.grid may)"
-        )
-        raise InfeasibleBudgetError(budget_bytes, eager, detail)
-    least, schedule = found
-    if least > budget_bytes:
-        raise InfeasibleBudgetError(budget_bytes, least, "(solver 'dp')")
-    exact = every and eager <= options.grid and least == budget_bytes
-    return schedule.regions, note + ", least-memory schedule", 0.0 if exact else None
+    raise _NoFit
+
+
+def dp_levels(
+    graph: CostGraph, cap_bytes: float, options: DPOptions
+) -> list[tuple[str, DPOptions, int]]:
+    """The levels dp solves in turn, coarse to fine, up to ``cap_bytes``: (what the level is,
+    its options, its stage count). Finer stages (:func:`stage_levels`; regions then span at
+    most ``staged_span`` stages), or on a module-granular graph a finer grid
+    (:func:`grid_levels`)."""
+    bounds = tuple(region_bounds(graph))
+    levels = [(count, options.grid) for count in stage_levels(graph, options)]
+    if graph.region_spans is not None:
+        levels = [(levels[-1][0], grid) for grid in grid_levels(graph, cap_bytes, options)]
+    out = []
+    for count, grid in levels:
+        stages = len(stage_bounds(graph, bounds, count))
+        level = f"{count} stages" if count is not None else f"all {len(bounds)} boundaries"
+        if grid != options.grid:
+            level = f"a grid of {grid} steps"
+        level_options = replace(options, max_bounds=count, grid=grid)
+        if stages < len(bounds) and options.max_span is not None:
+            span = min(options.max_span, options.staged_span)
+            level_options = replace(level_options, max_span=span)
+        out.append((level, level_options, stages))
+    return out
 
 
 def grid_levels(graph: CostGraph, budget_bytes: float, options: DPOptions) -> list[int]:
@@ -1457,11 +1566,13 @@ def is_staged(graph: CostGraph, options: DPOptions) -> bool:
 def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Schedule:
     """Least recompute time within the budget over nested regions (the space: DPOptions).
 
-    Feasibility is monotone in the budget: when ``simulate`` prices the pick at the budget
-    higher (rounding up, or a model disagreement: T5's Python-held storages), the picks of the
-    same table at lower budgets are tried (:func:`_tightened`, no further solve); when none
-    fits, the least-memory schedule (one schedule, whatever the budget) answers if it fits,
-    and its peak is the least budget the error states. So every budget above a stated least
+    The least budget it states is :func:`least_memory`'s: one schedule's peak by ``simulate``,
+    sought on a space fixed by counted work (no deadline) over the graph with objective-free
+    times, so the same whatever the budget asked, the objective, the time limit and the load.
+    When ``simulate`` prices the pick at the budget higher (rounding up, or a model
+    disagreement: T5's Python-held storages), the picks of the same table at lower budgets are
+    tried (:func:`_tightened`, no further solve); when none fits, that schedule answers if it
+    fits: every budget from the least it states up
     is planned.
 
     Anytime within ``options.time_limit_s`` (seconds of this process's CPU time): on a graph
@@ -1473,8 +1584,8 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     ``max_bounds``), refining stops once a level gains less than REFINE_GAIN of the step time.
     A refinement predicted not to finish in the time left (the last level's work per stage
     times its stages, counted: ``WORK``, not timed) is not started. A programme cut short
-    answers nothing: with no level done, dp answers with ``greedy``'s schedule; the note says
-    so.
+    answers nothing: with no level done, dp answers with ``greedy``'s schedule (else
+    ``revolve``'s, else the least-memory one); the note says so.
     """
     # dp's time limit is this process's CPU time, as every solver's (SolverOptions.deadline):
     # other jobs on the machine stretch its wall time, not its work, and must not cut a level
@@ -1486,10 +1597,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
     limit = time_limit_text(options)
     # (stages, grid) of each level: finer stages, or (module-granular graphs) a finer grid
-    levels = [(count, options.grid) for count in stage_levels(graph, options)]
-    if graph.region_spans is not None:
-        grids = grid_levels(graph, min(float(budget_bytes), eager), options)
-        levels = [(levels[-1][0], grid) for grid in grids]
+    levels = dp_levels(graph, min(float(budget_bytes), eager), options)
     staged = is_staged(graph, options)
     best: tuple[float, tuple[Region, ...], str, float | None] | None = None
     stopped = ""
@@ -1497,17 +1605,8 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     search_end = start + search_s
     done: tuple[int, float] | None = None  # the last level solved: its size and nominal s
     work0_s = WORK.nominal_s()
-    bounds = tuple(region_bounds(graph))
-    for k, (count, grid) in enumerate(levels):
-        last = k == len(levels) - 1
-        stages = len(stage_bounds(graph, bounds, count))
-        level = f"{count} stages" if count is not None else f"all {len(bounds)} boundaries"
-        if grid != options.grid:
-            level = f"a grid of {grid} steps"
-        level_options = replace(options, max_bounds=count, grid=grid)
-        if stages < len(bounds) and options.max_span is not None:
-            span = min(options.max_span, options.staged_span)
-            level_options = replace(level_options, max_span=span)
+    for level, level_options, stages in levels:
+        grid = level_options.grid
         level_work_s = WORK.nominal_s()
         if done is not None and best is not None:
             # A level's work grows about linearly with its stages (LEVEL_GROWTH) and its grid
@@ -1533,12 +1632,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
                 break
         try:
             regions, note, gap = _solve_within(
-                graph,
-                budget_bytes,
-                level_options,
-                search_end,
-                eager,
-                least_memory=last and best is None,
+                graph, budget_bytes, level_options, search_end, eager
             )
         except OutOfTime:
             stopped = f"; refining to {level} cut short at the {limit}"
@@ -1558,24 +1652,29 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if best is not None:
         _, regions, note, gap = best
         return finish(graph, budget_bytes, regions, "dp", note + stopped, gap=gap)
-    # Out of time: greedy (cheap, anytime), else revolve, whose deep nesting reaches the least
-    # memory of the fixed policies.
-    found, least = None, None
+    # Nothing of the space searched fits the budget on its grid, or the time limit cut the
+    # search short before it found something. When cut short, greedy (cheap, anytime), else
+    # revolve, whose deep nesting reaches the least memory of the fixed policies.
+    fallback = None
     fallbacks = ((solve_greedy, GreedyOptions), (solve_revolve, RevolveOptions))
-    if graph.region_spans is not None:
+    if graph.region_spans is not None or not stopped:
         fallbacks = ()  # neither keeps to module spans
     for solve, opts in fallbacks:
         left_s = max(0.0, deadline - time.process_time())
         try:
-            found = solve(graph, budget_bytes, opts(time_limit_s=left_s))
+            fallback = solve(graph, budget_bytes, opts(time_limit_s=left_s))
             break
-        except InfeasibleBudgetError as e:
-            least = e.min_bytes if least is None else min(least, e.min_bytes)
-    if found is None:
-        detail = f"(solver 'dp', cut short at the {limit}: a longer time_limit_s may fit)"
-        raise InfeasibleBudgetError(budget_bytes, least, detail)
-    fallback = found
-    # what stopped dp: a level cut short, or one predicted not to finish in the time left
-    why = stopped.removeprefix("; ") if stopped else f"cut short at the {limit}"
-    note = f"dp {why}; {fallback.solver} answered ({fallback.note})"
-    return Schedule(fallback.regions, fallback.solver, None, note)
+        except InfeasibleBudgetError:
+            continue
+    if fallback is not None:
+        # what stopped dp: a level cut short, or one predicted not to finish in the time left
+        note = f"dp {stopped.removeprefix('; ')}; {fallback.solver} answered ({fallback.note})"
+        return Schedule(fallback.regions, fallback.solver, None, note)
+    # The least-memory schedule: the same whatever the budget, the objective or the time
+    # limit, so the least it states is planned at that budget and every one above it.
+    least = least_memory(graph, options)
+    if least.peak_bytes > budget_bytes:
+        raise InfeasibleBudgetError(budget_bytes, least.peak_bytes, "(solver 'dp')")
+    # Not proven the least time within the budget: it is picked on objective-free times.
+    note = f"least-memory schedule (searched over {least.space}){stopped}"
+    return finish(graph, budget_bytes, least.schedule.regions, "dp", note)

@@ -72,6 +72,28 @@ def test_budget_below_every_schedule_states_the_least_feasible():
     assert p.predicted_peak_bytes <= info.value.min_bytes
 
 
+def test_the_least_feasible_budget_is_one_number_and_is_planned():
+    """Issue 21: the least stated at 1 B, below itself and under either objective is the same,
+    and a plan at it fits (roofline prices: the same on any machine under any load)."""
+    from planner.planning import price_form
+
+    model, example_input = gpt_ref_small_example()
+    priced = price_form(model, example_input, "graph", device="cpu")
+
+    def least(budget_bytes: int, objective: str) -> int:
+        with pytest.raises(planner.InfeasibleBudgetError) as info:
+            priced.plan(budget_bytes, objective=objective)
+        return info.value.min_bytes
+
+    least_bytes = least(1, "time")
+    assert least(1, "flops") == least_bytes
+    assert least(least_bytes // 2, "time") == least(least_bytes // 2, "flops") == least_bytes
+    for objective in ("time", "flops"):
+        p = priced.plan(least_bytes, objective=objective)
+        assert p.budget_bytes == least_bytes
+        assert p.predicted_peak_bytes <= least_bytes
+
+
 @pytest.mark.parametrize("budget", [0, -1.0, math.nan, math.inf, "lots", None])
 def test_invalid_budgets_are_refused(budget):
     model, example_input = gpt_ref_small_example()
