@@ -41,6 +41,7 @@ noticed there.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 import weakref
 from collections import defaultdict
@@ -358,9 +359,72 @@ def apply_regions(
     return model
 
 
+def split_run(name: str) -> tuple[str, slice | None]:
+    """(module path, children slice) of an in-place region's name: ``blocks[0:2]`` is a run of
+    children 0 and 1 of the ``nn.Sequential`` ``blocks``; a plain path has no slice."""
+    match = _RUN_NAME.fullmatch(name)
+    if match is None:
+        return name, None
+    return match["path"], slice(int(match["a"]), int(match["b"]))
+
+
+_RUN_NAME = re.compile(r"(?P<path>.*)\[(?P<a>\d+):(?P<b>\d+)\]")
+
+
+class _RunForward(_RegionForward):
+    """A run region: children ``[a:b]`` of an nn.Sequential called as one checkpointed call,
+    exactly as a module region (``_RegionForward.__call__``, with the Sequential as the module:
+    its BatchNorm statistics are named relative to it); the runs nested in it run inside."""
+
+    def __init__(self, region: Region, runs: _SequentialRuns, children: slice) -> None:
+        super().__init__(region)
+        self.runs, self.children = runs, children
+
+    def run_original(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        (x,) = args  # nn.Sequential.forward takes one input
+        return self.runs.run_children(module, self.children.start, self.children.stop, x)
+
+
+class _SequentialRuns(ForwardWrapper):
+    """An nn.Sequential's forward with its planned runs (``_RunForward``): its children called
+    one after the other, as nn.Sequential's own forward does, each run as one call. Installed
+    under a region wrapping the Sequential itself, if any (``wrap_regions``)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[int, int], _RunForward] = {}
+
+    def run_children(self, module: torch.nn.Module, a: int, b: int, x: Any) -> Any:
+        k = a
+        while k < b:
+            # the outermost run starting at child k inside [a, b): runs form a laminar family
+            stop = max((hi for lo, hi in self.calls if lo == k and hi <= b and (lo, hi) != (a, b)),
+                       default=None)  # fmt: skip
+            if stop is None:
+                x = module[k](x)
+                k += 1
+            else:
+                x = self.calls[(k, stop)](module, x)
+                k = stop
+        return x
+
+    def __call__(self, module: torch.nn.Module, input: Any) -> Any:  # noqa: A002 - Sequential's
+        return self.run_children(module, 0, len(module), input)
+
+
 def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
+    # runs first: a region over the whole Sequential wraps the forward that runs them
+    sequentials: dict[str, _SequentialRuns] = {}
     for region in regions:
-        _RegionForward(region).install(model.get_submodule(region.path))
+        path, children = split_run(region.path)
+        if children is not None:
+            runs = sequentials.get(path)
+            if runs is None:
+                runs = sequentials[path] = _SequentialRuns()
+                runs.install(model.get_submodule(path))
+            runs.calls[(children.start, children.stop)] = _RunForward(region, runs, children)
+    for region in regions:
+        if split_run(region.path)[1] is None:
+            _RegionForward(region).install(model.get_submodule(region.path))
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
@@ -374,9 +438,11 @@ def remove(model: torch.nn.Module) -> torch.nn.Module:
 
 def unwrap_regions(model: torch.nn.Module) -> None:
     for module in model.modules():
-        own = module.__dict__.get("forward")
-        wrapper = getattr(own, "__func__", None)
-        if isinstance(wrapper, _RegionForward):
+        # a region over a Sequential wraps the forward that runs its runs: both come off
+        while isinstance(
+            wrapper := getattr(module.__dict__.get("forward"), "__func__", None),
+            _RegionForward | _SequentialRuns,
+        ):
             wrapper.uninstall(module)
 
 
@@ -398,16 +464,25 @@ def check_fits(
         )
     types = dict(tree)
     for r in regions:
+        path, children = split_run(r.path)
         try:
-            module = model.get_submodule(r.path)
+            module = model.get_submodule(path)
         except AttributeError:
             raise PlanFileError(
-                f"{source} checkpoints module {r.path!r}, which this model does not have. {fix}"
+                f"{source} checkpoints module {path!r}, which this model does not have. {fix}"
             ) from None
-        if type(module).__name__ != types.get(r.path):
+        if type(module).__name__ != types.get(path):
             raise PlanFileError(
-                f"{source} checkpoints {r.path!r} as a {types.get(r.path)}, in this model it is "
+                f"{source} checkpoints {path!r} as a {types.get(path)}, in this model it is "
                 f"a {type(module).__name__}. {fix}"
+            )
+        if children is not None and not (
+            isinstance(module, torch.nn.Sequential) and children.stop <= len(module)
+        ):
+            raise PlanFileError(
+                f"{source} checkpoints children {children.start} to {children.stop - 1} of "
+                f"{path!r} as one call, which needs an nn.Sequential of at least "
+                f"{children.stop} children. {fix}"
             )
     ours = module_tree(model)
     for (path, kind), (their_path, their_kind) in zip(tree, ours):
