@@ -1316,10 +1316,18 @@ def _solve_within(
     deadline: float,
     eager: int,
     least_memory: bool = True,
+    base_grid: int | None = None,
 ):
     """(regions, note, gap) of the least recompute time within budget over ``options``'
     space; OutOfTime past ``deadline``. When nothing fits: InfeasibleBudgetError with the
-    space's least peak, or _NoFit without seeking it (``least_memory`` False)."""
+    space's least peak, or _NoFit without seeking it (``least_memory`` False).
+
+    ``base_grid``: the grid a 1-byte budget solves on (the first of :func:`grid_levels`),
+    whose least-memory schedule is sought too when ``options.grid`` is another: a finer grid
+    rounds less but may reach a higher least (the programme is not monotone in its grid), and
+    the least an error states (found on the base grid) must be planned at that budget
+    (Llama-like classifier under autocast: 180,400 B stated at 1 B, 191,616 B the least a
+    budget of 180,400 B then found on its finer grid)."""
     every, note = _space(graph, options)
     # Optimal for simulate only where its prices are simulate's (see the module docstring).
     every = every and not any(nd.state_bytes for nd in graph.nodes)
@@ -1345,6 +1353,10 @@ def _solve_within(
         raise _NoFit
     opts = replace(options, selective=False)
     found = least_memory_schedule(graph, opts, deadline)
+    if base_grid is not None and base_grid != options.grid:
+        coarse = least_memory_schedule(graph, replace(opts, grid=base_grid), deadline)
+        if found is None or (coarse is not None and coarse[0] < found[0]):
+            found = coarse
     if found is None:  # bytes rounded up to the grid add up past the eager peak itself
         detail = (
             f"(solver 'dp': on its grid of {options.grid} steps nothing fits below the eager "
@@ -1478,6 +1490,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
                 search_end,
                 eager,
                 least_memory=last and best is None,
+                base_grid=levels[0][1],
             )
         except OutOfTime:
             stopped = f"; refining to {level} cut short at the {limit}"
