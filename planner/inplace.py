@@ -392,19 +392,25 @@ class _SequentialRuns(ForwardWrapper):
 
     def __init__(self) -> None:
         self.calls: dict[tuple[int, int], _RunForward] = {}
+        # (a, b) -> what running children [a:b] calls in turn: (child, None) or a run (k, stop)
+        self.steps: dict[tuple[int, int], tuple[tuple[int, int | None], ...]] = {}
+
+    def plan_steps(self, n: int) -> None:
+        """Fix each context's calls once the runs are known (not per call: torch.compile then
+        traces plain loops). Runs form a laminar family: in each context, the outermost run
+        starting at a child is called, its children inside it."""
+        for a, b in (*self.calls, (0, n)):
+            steps, k = [], a
+            while k < b:
+                inner = [hi for lo, hi in self.calls if lo == k and hi <= b and (lo, hi) != (a, b)]
+                stop = max(inner) if inner else None
+                steps.append((k, stop))
+                k = k + 1 if stop is None else stop
+            self.steps[(a, b)] = tuple(steps)
 
     def run_children(self, module: torch.nn.Module, a: int, b: int, x: Any) -> Any:
-        k = a
-        while k < b:
-            # the outermost run starting at child k inside [a, b): runs form a laminar family
-            stop = max((hi for lo, hi in self.calls if lo == k and hi <= b and (lo, hi) != (a, b)),
-                       default=None)  # fmt: skip
-            if stop is None:
-                x = module[k](x)
-                k += 1
-            else:
-                x = self.calls[(k, stop)](module, x)
-                k = stop
+        for k, stop in self.steps[(a, b)]:
+            x = module[k](x) if stop is None else self.calls[(k, stop)](module, x)
         return x
 
     def __call__(self, module: torch.nn.Module, input: Any) -> Any:  # noqa: A002 - Sequential's
@@ -422,6 +428,8 @@ def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
                 runs = sequentials[path] = _SequentialRuns()
                 runs.install(model.get_submodule(path))
             runs.calls[(children.start, children.stop)] = _RunForward(region, runs, children)
+    for path, runs in sequentials.items():
+        runs.plan_steps(len(model.get_submodule(path)))
     for region in regions:
         if split_run(region.path)[1] is None:
             _RegionForward(region).install(model.get_submodule(region.path))

@@ -413,6 +413,26 @@ def test_nested_runs_are_priced_as_measured(names):
     _assert_trains_alike_with_statistics(reference, planned, x, steps=1)
 
 
+def test_runs_compile_and_train_alike():
+    """torch.compile over a model with runs applied: the run structure is fixed when applied,
+    so dynamo traces plain loops; bitwise the same loss, gradients and statistics."""
+    model, x = _residual_cnn()
+    reference = copy.deepcopy(model)
+    least = _least_bytes(model, x, "inplace", None)
+    p = planner.plan(model, x, least / 1e9, form="inplace", device="cpu")
+    assert any("[" in r.name for r in p.regions)
+    planned = p.apply(copy.deepcopy(model))
+    torch._dynamo.reset()
+    compiled = torch.compile(planned, backend="aot_eager")
+    for module in (reference, compiled):
+        torch.manual_seed(0)
+        module(x).sum().backward()
+    for (name, a), b in zip(reference.named_parameters(), planned.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(reference.named_buffers(), planned.buffers()):
+        assert torch.equal(a, b), name
+
+
 class _OwnSequential(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self:
