@@ -23,7 +23,11 @@ called more than once per step (a region is every call of a module, and the plan
 one), calls under ``torch.no_grad``, spans that write state other than the module's own buffers,
 and spans an in-place write crosses. Spans that write their own buffers (BatchNorm running
 statistics) are candidates: ``EagerGraph.state_buffers`` names the buffers, which an applied
-region's recomputation runs on copies of, so they are updated once per step.
+region's recomputation runs on copies of, so they are updated once per step. Runs of two or
+more consecutive children of an ``nn.Sequential`` (named ``path[a:b]``) are candidates too
+(:func:`_sequential_runs`): one region per child holds every child's input at the last one's
+backward, a run nested over them frees those inputs (ResidualCNN, 4 blocks: least 51.6% of
+eager with one region per block, 43.2% with runs).
 """
 
 from __future__ import annotations
@@ -422,7 +426,10 @@ def _candidates(
 
 # nn.Sequential's own forward: it runs its children one after the other and nothing else
 _SEQUENTIAL_FORWARD = torch.nn.Sequential.forward
-MAX_RUN_CHILDREN = 32  # Sequentials with more children offer no runs: O(n^2) spans for dp
+# Runs start and end at most this many places in a Sequential (O(n^2) spans for dp: 528 at 32
+# cut 58.5% of eager off a 32-child MLP and took dp 4 s); a longer one's runs start and end
+# every ceil(n / MAX_RUN_CUTS) children.
+MAX_RUN_CUTS = 32
 
 
 def _sequential_runs(
@@ -435,14 +442,15 @@ def _sequential_runs(
     region ``planner/inplace.py`` applies as one checkpointed call of those children
     (``inplace.RunForward``). Only a Sequential whose forward is nn.Sequential's own (so the
     run's ops are exactly its children's, back to back), called once with grad, whose children
-    are each called once, by it."""
+    are each called once, by it. A Sequential of more than MAX_RUN_CUTS children offers the
+    runs between every k-th child (k = ceil(n / MAX_RUN_CUTS))."""
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.Sequential):
             continue
         if type(module).forward is not _SEQUENTIAL_FORWARD or len(calls.get(path, ())) != 1:
             continue
         n = len(module)
-        if not 3 <= n <= MAX_RUN_CHILDREN or not calls[path][0][2]:
+        if n < 3 or not calls[path][0][2]:
             continue
         prefix = f"{path}." if path else ""
         made = [calls.get(f"{prefix}{k}", []) for k in range(n)]
@@ -453,10 +461,12 @@ def _sequential_runs(
             continue
         if any(bounds[k][1] != bounds[k + 1][0] for k in range(n - 1)):
             continue
-        for a in range(n):
-            for b in range(a + 2, n + 1):
-                if (a, b) == (0, n):
-                    continue  # the Sequential itself
+        stride = -(-n // MAX_RUN_CUTS)
+        cuts = sorted({*range(0, n, stride), n})
+        for i, a in enumerate(cuts):
+            for b in cuts[i + 1 :]:
+                if b - a < 2 or (a, b) == (0, n):
+                    continue  # one child is that child's region; all is the Sequential's
                 start, stop = bounds[a][0], bounds[b - 1][1]
                 if stop == start:
                     continue

@@ -6,7 +6,12 @@ the form's part of the plan file are ``planner/inplace_form.py``'s, the Plan and
 ``planner/plans.py``'s.
 
 A region is one submodule (every call of it; the planner only offers modules called once per
-step). Applying a plan replaces each region module's ``forward`` by an instance attribute
+step), or a run of consecutive children of an ``nn.Sequential`` (``blocks[0:3]``,
+``_RunForward``): the Sequential's forward is then ``_SequentialRuns``, which calls its children
+in turn as nn.Sequential does, each run as one checkpointed call exactly like a module region's
+(nested runs and child regions inside it).
+
+Applying a plan replaces each region module's ``forward`` by an instance attribute
 (``passes/forward_wrapper.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
 module.training``, runs the original forward under non-reentrant
 ``torch.utils.checkpoint.checkpoint`` (RNG state preserved), and otherwise calls it plainly:

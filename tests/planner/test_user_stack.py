@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
+from planner.inplace import split_run
 from planner.planning import price_form
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.errors import UnsupportedModelError
@@ -455,6 +456,20 @@ def test_runs_are_offered_only_where_sequential_runs_its_children_back_to_back()
     names = set(eg.spans.values())
     assert {"0[0:2]", "0[1:3]"} <= names  # the whole Sequential is "0" itself
     assert not any(n.startswith("1[") for n in names)  # its own forward runs ops between
+
+
+def test_a_long_sequential_offers_runs_between_every_kth_child():
+    from planner.devices import device_profile
+    from planner.inplace_form import price_inplace
+    from planner.passes.eager import MAX_RUN_CUTS
+
+    n = 2 * MAX_RUN_CUTS + 1  # runs start and end at every 3rd child
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(n)))
+    eg = price_inplace(model, torch.randn(2, 4), device=device_profile("cpu"))
+    runs = [split_run(name)[1] for name in eg.spans.values() if name.startswith("[")]
+    cuts = {*range(0, n, 3), n}
+    assert runs and all(r.start in cuts and r.stop in cuts for r in runs)
+    assert len(runs) == len(cuts) * (len(cuts) - 1) // 2 - 1  # every pair but all n
 
 
 def test_a_plan_file_run_on_a_shorter_sequential_names_it(tmp_path):
