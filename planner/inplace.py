@@ -46,7 +46,6 @@ noticed there.
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 import weakref
 from collections import defaultdict
@@ -68,7 +67,7 @@ from planner.guard import remove_guard
 from planner.offload import offloaded_call
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.rewrite import _outside_selective_checkpointing
-from planner.plans import Plan, Region
+from planner.plans import Plan, Region, split_run
 from planner.solvers.errors import PlanFileError
 
 
@@ -362,18 +361,6 @@ def apply_regions(
     wrap_regions(model, regions)
     hf_checkpointing.mark_applied(model, plan, regions, wrap_regions, unwrap_regions)
     return model
-
-
-def split_run(name: str) -> tuple[str, slice | None]:
-    """(module path, children slice) of an in-place region's name: ``blocks[0:2]`` is a run of
-    children 0 and 1 of the ``nn.Sequential`` ``blocks``; a plain path has no slice."""
-    match = _RUN_NAME.fullmatch(name)
-    if match is None:
-        return name, None
-    return match["path"], slice(int(match["a"]), int(match["b"]))
-
-
-_RUN_NAME = re.compile(r"(?P<path>.*)\[(?P<a>\d+):(?P<b>\d+)\]")
 
 
 class _RunForward(_RegionForward):

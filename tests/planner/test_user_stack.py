@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from planner.inplace import split_run
 from planner.planning import price_form
+from planner.plans import split_run
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.errors import UnsupportedModelError
 from tests.helpers import assert_same_step_copy
@@ -287,8 +287,6 @@ def _bn_paths(model) -> set[str]:
 
 def _covered(model, region: str) -> set[str]:
     """The module paths an in-place region runs: a module's, or a run's children's."""
-    from planner.inplace import split_run
-
     path, children = split_run(region)
     module = model.get_submodule(path)
     if children is not None:
