@@ -24,7 +24,13 @@ class ForwardWrapper:
         own = module.__dict__.get("forward")
         self.had_own = own is not None
         self.original = own if own is not None else type(module).forward
-        functools.update_wrapper(self, self.original)
+        # another wrapper's bound forward forwards __dict__ to that wrapper: merged in, its
+        # ``original`` and ``had_own`` would replace ours (a region over an nn.Sequential
+        # then skipped the forward that runs its runs, planner/inplace.py)
+        chained = isinstance(getattr(own, "__func__", None), ForwardWrapper)
+        functools.update_wrapper(
+            self, self.original, updated=() if chained else functools.WRAPPER_UPDATES
+        )
         module.forward = types.MethodType(self, module)
 
     def run_original(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -6,7 +6,12 @@ the form's part of the plan file are ``planner/inplace_form.py``'s, the Plan and
 ``planner/plans.py``'s.
 
 A region is one submodule (every call of it; the planner only offers modules called once per
-step). Applying a plan replaces each region module's ``forward`` by an instance attribute
+step), or a run of consecutive children of an ``nn.Sequential`` (``blocks[0:3]``,
+``_RunForward``): the Sequential's forward is then ``_SequentialRuns``, which calls its children
+in turn as nn.Sequential does, each run as one checkpointed call exactly like a module region's
+(nested runs and child regions inside it).
+
+Applying a plan replaces each region module's ``forward`` by an instance attribute
 (``passes/forward_wrapper.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
 module.training``, runs the original forward under non-reentrant
 ``torch.utils.checkpoint.checkpoint`` (RNG state preserved), and otherwise calls it plainly:
@@ -62,7 +67,7 @@ from planner.guard import remove_guard
 from planner.offload import offloaded_call
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.rewrite import _outside_selective_checkpointing
-from planner.plans import Plan, Region
+from planner.plans import Plan, Region, split_run
 from planner.solvers.errors import PlanFileError
 
 
@@ -358,9 +363,68 @@ def apply_regions(
     return model
 
 
+class _RunForward(_RegionForward):
+    """A run region: children ``[a:b]`` of an nn.Sequential called as one checkpointed call,
+    exactly as a module region (``_RegionForward.__call__``, with the Sequential as the module:
+    its BatchNorm statistics are named relative to it); the runs nested in it run inside."""
+
+    def __init__(self, region: Region, runs: _SequentialRuns, children: slice) -> None:
+        super().__init__(region)
+        self.runs, self.children = runs, children
+
+    def run_original(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        (x,) = args  # nn.Sequential.forward takes one input
+        return self.runs.run_children(module, self.children.start, self.children.stop, x)
+
+
+class _SequentialRuns(ForwardWrapper):
+    """An nn.Sequential's forward with its planned runs (``_RunForward``): its children called
+    one after the other, as nn.Sequential's own forward does, each run as one call. Installed
+    under a region wrapping the Sequential itself, if any (``wrap_regions``)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[int, int], _RunForward] = {}
+        # (a, b) -> what running children [a:b] calls in turn: (child, None) or a run (k, stop)
+        self.steps: dict[tuple[int, int], tuple[tuple[int, int | None], ...]] = {}
+
+    def plan_steps(self, n: int) -> None:
+        """Fix each context's calls once the runs are known (not per call: torch.compile then
+        traces plain loops). Runs form a laminar family: in each context, the outermost run
+        starting at a child is called, its children inside it."""
+        for a, b in (*self.calls, (0, n)):
+            steps, k = [], a
+            while k < b:
+                inner = [hi for lo, hi in self.calls if lo == k and hi <= b and (lo, hi) != (a, b)]
+                stop = max(inner) if inner else None
+                steps.append((k, stop))
+                k = k + 1 if stop is None else stop
+            self.steps[(a, b)] = tuple(steps)
+
+    def run_children(self, module: torch.nn.Module, a: int, b: int, x: Any) -> Any:
+        for k, stop in self.steps[(a, b)]:
+            x = module[k](x) if stop is None else self.calls[(k, stop)](module, x)
+        return x
+
+    def __call__(self, module: torch.nn.Module, input: Any) -> Any:  # noqa: A002 - Sequential's
+        return self.run_children(module, 0, len(module), input)
+
+
 def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
+    # runs first: a region over the whole Sequential wraps the forward that runs them
+    sequentials: dict[str, _SequentialRuns] = {}
     for region in regions:
-        _RegionForward(region).install(model.get_submodule(region.path))
+        path, children = split_run(region.path)
+        if children is not None:
+            runs = sequentials.get(path)
+            if runs is None:
+                runs = sequentials[path] = _SequentialRuns()
+                runs.install(model.get_submodule(path))
+            runs.calls[(children.start, children.stop)] = _RunForward(region, runs, children)
+    for path, runs in sequentials.items():
+        runs.plan_steps(len(model.get_submodule(path)))
+    for region in regions:
+        if split_run(region.path)[1] is None:
+            _RegionForward(region).install(model.get_submodule(region.path))
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
@@ -374,9 +438,11 @@ def remove(model: torch.nn.Module) -> torch.nn.Module:
 
 def unwrap_regions(model: torch.nn.Module) -> None:
     for module in model.modules():
-        own = module.__dict__.get("forward")
-        wrapper = getattr(own, "__func__", None)
-        if isinstance(wrapper, _RegionForward):
+        # a region over a Sequential wraps the forward that runs its runs: both come off
+        while isinstance(
+            wrapper := getattr(module.__dict__.get("forward"), "__func__", None),
+            _RegionForward | _SequentialRuns,
+        ):
             wrapper.uninstall(module)
 
 
@@ -398,16 +464,25 @@ def check_fits(
         )
     types = dict(tree)
     for r in regions:
+        path, children = split_run(r.path)
         try:
-            module = model.get_submodule(r.path)
+            module = model.get_submodule(path)
         except AttributeError:
             raise PlanFileError(
-                f"{source} checkpoints module {r.path!r}, which this model does not have. {fix}"
+                f"{source} checkpoints module {path!r}, which this model does not have. {fix}"
             ) from None
-        if type(module).__name__ != types.get(r.path):
+        if type(module).__name__ != types.get(path):
             raise PlanFileError(
-                f"{source} checkpoints {r.path!r} as a {types.get(r.path)}, in this model it is "
+                f"{source} checkpoints {path!r} as a {types.get(path)}, in this model it is "
                 f"a {type(module).__name__}. {fix}"
+            )
+        if children is not None and not (
+            isinstance(module, torch.nn.Sequential) and children.stop <= len(module)
+        ):
+            raise PlanFileError(
+                f"{source} checkpoints children {children.start} to {children.stop - 1} of "
+                f"{path!r} as one call, which needs an nn.Sequential of at least "
+                f"{children.stop} children. {fix}"
             )
     ours = module_tree(model)
     for (path, kind), (their_path, their_kind) in zip(tree, ours):

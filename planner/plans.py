@@ -15,6 +15,7 @@ them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -58,8 +59,21 @@ class Region(NamedRegion):
 
     @property
     def path(self) -> str:
-        """The module path of an in-place region (its name)."""
+        """The module path of an in-place region (its name; for a run of an nn.Sequential's
+        children, ``blocks[0:2]``, the Sequential's path and the slice: :func:`split_run`)."""
         return self.name
+
+
+def split_run(name: str) -> tuple[str, slice | None]:
+    """(module path, children slice) of an in-place region's name: ``blocks[0:2]`` is a run of
+    children 0 and 1 of the ``nn.Sequential`` ``blocks``; a plain path has no slice."""
+    match = _RUN_NAME.fullmatch(name)
+    if match is None:
+        return name, None
+    return match["path"], slice(int(match["a"]), int(match["b"]))
+
+
+_RUN_NAME = re.compile(r"(?P<path>.*)\[(?P<a>\d+):(?P<b>\d+)\]")
 
 
 @dataclass(frozen=True)

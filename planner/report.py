@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.plans import Plan
+from planner.plans import Plan, split_run
 from planner.solvers.costgraph import CostGraph, Region, Tensor
 from planner.solvers.simulate import offload_time_s
 
@@ -168,7 +168,11 @@ def model_parts(
     path inside it."""
     paths = module_paths(graph, span)
     if root is not None:
-        inside = [p for p in paths if p == root or p.startswith(root + ".")]
+        path, children = split_run(root)
+        # a run (blocks[0:2]) stands for its children's paths as a module for its own
+        kids = () if children is None else range(children.start, children.stop)
+        heads = (root,) if children is None else tuple(f"{path}.{k}".lstrip(".") for k in kids)
+        inside = [p for p in paths if p in heads or p.startswith(tuple(f"{h}." for h in heads))]
         paths = [root] * bool(inside) + [p for p in paths if p not in inside]
     parts = [p.removeprefix(prefix) for p in paths]
     shown = ", ".join(parts[:limit])

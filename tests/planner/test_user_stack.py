@@ -15,6 +15,7 @@ from torch import nn
 
 import planner
 from planner.planning import price_form
+from planner.plans import split_run
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.errors import UnsupportedModelError
 from tests.helpers import assert_same_step_copy
@@ -284,6 +285,21 @@ def _bn_paths(model) -> set[str]:
     return {path for path, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
 
 
+def _covered(model, region: str) -> set[str]:
+    """The module paths an in-place region runs: a module's, or a run's children's."""
+    path, children = split_run(region)
+    module = model.get_submodule(path)
+    if children is not None:
+        module = module[children]
+        names = range(children.start, children.stop)
+        return {
+            f"{path}.{k}{f'.{n}' if n else ''}"
+            for k, c in zip(names, module)
+            for n, _ in c.named_modules()
+        }
+    return {f"{path}.{n}" if n else path for n, _ in module.named_modules()}
+
+
 def test_a_resnet_with_batchnorm_and_in_place_relu_plans_below_half_of_eager(tmp_path):
     torch.manual_seed(0)
     model, x = _ResNet(), torch.randn(4, 3, 16, 16)
@@ -306,8 +322,12 @@ def test_a_resnet_with_batchnorm_and_in_place_relu_plans_below_half_of_eager(tmp
 
 def test_the_unet_plans_below_eager_in_place_with_batchnorm_regions():
     """The U-Net's skips and concatenations live in the root's own forward, which in place
-    cannot be a region: its least feasible plan is what module regions (every conv-BN-ReLU
-    among them) reach."""
+    cannot be a region: its least feasible plan is what module regions and runs of a
+    Sequential's children (conv + BN of each conv-BN-ReLU) reach. Not half of eager: at the
+    backward of the full-resolution decoder's conv, its input (the concatenation), that
+    input's gradient and its output's gradient, with the root max-pool's saved input (the
+    skip) and indices, are already about half of eager (the graph form, whose regions may
+    span the root's ops, reaches 55%)."""
     from tests.models_zoo import small_unet_example
 
     model, x = small_unet_example()
@@ -316,10 +336,148 @@ def test_the_unet_plans_below_eager_in_place_with_batchnorm_regions():
     least = _least_bytes(model, x, "inplace", None)
     assert least < 0.9 * eager_bytes
     p = planner.plan(model, x, least / 1e9, form="inplace", device="cpu")
-    assert {r.name for r in p.regions} & {bn.rsplit(".", 1)[0] for bn in _bn_paths(model)}
+    assert _bn_paths(model) & set().union(*(_covered(model, r.name) for r in p.regions))
     planned = p.apply(copy.deepcopy(model))
     assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= least
     _assert_trains_alike_with_statistics(reference, planned, x)
+
+
+# ------------------------------------------------------------ runs of an nn.Sequential's children
+
+
+def _residual_cnn():
+    """benchmarks' ResidualCNN, small: a Sequential of 4 residual blocks with BatchNorm. With
+    one region per block its least in-place budget was 51.6% of eager (every block's input
+    held by its region at the last block's backward)."""
+    from benchmarks.models import residual_cnn_example
+
+    model, x = residual_cnn_example(batch=8, size=16, channels=8, n_blocks=4)
+    return model.train(), x
+
+
+def test_a_residual_cnn_plans_below_half_of_eager_with_runs_of_its_blocks(tmp_path):
+    """Runs of consecutive blocks checkpointed as one call, nested, free the block inputs the
+    per-block regions held: below half of eager, measured as predicted, trained alike (loss,
+    gradients, BatchNorm statistics bitwise), through a plan file too."""
+    model, x = _residual_cnn()
+    reference = copy.deepcopy(model)
+    eager_bytes = planner.measure(copy.deepcopy(model), x).peak_bytes
+    least = _least_bytes(model, x, "inplace", None)
+    assert least < eager_bytes / 2
+    p = planner.plan(model, x, least / 1e9, form="inplace", device="cpu")
+    runs = [r.name for r in p.regions if r.name.startswith("blocks[")]
+    assert runs, [r.name for r in p.regions]
+    planned = p.apply(copy.deepcopy(model))
+    assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= least
+    _assert_trains_alike_with_statistics(copy.deepcopy(reference), planned, x)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    from planner.inplace_form import load_inplace
+
+    assert load_inplace(path).regions == p.regions  # the run regions' names, ops, statistics
+    from_file = planner.apply_plan(copy.deepcopy(reference), path)
+    assert planner.measure(from_file, x).peak_bytes == p.predicted_peak_bytes
+    _assert_trains_alike_with_statistics(copy.deepcopy(reference), from_file, x, steps=1)
+    planner.remove(from_file)
+    assert not any("forward" in m.__dict__ for m in from_file.modules())
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("blocks[0:3]", "blocks[0:2]"),  # BatchNorm copies made again in the recomputation
+        ("blocks[0:3]", "blocks.0", "blocks.1", "blocks.2"),
+        ("blocks", "blocks[0:3]", "blocks[1:3]", "blocks.1"),  # a run inside the Sequential's
+    ],
+)
+def test_nested_runs_are_priced_as_measured(names):
+    """simulate's Rule 9 for a region nested in a recomputation: its BatchNorm copies die with
+    that call's frame (288 B over the measured peak before)."""
+    from planner.devices import device_profile
+    from planner.inplace_form import build_inplace_plan, price_inplace
+
+    model, x = _residual_cnn()
+    eg = price_inplace(model, x, device=device_profile("cpu"))
+    span = {path: s for s, path in eg.spans.items()}
+    spans = [span[n] for n in names]
+    regions = tuple(
+        Region(a, b, depth=sum(1 for c, d in spans if c <= a and b <= d and (c, d) != (a, b)))
+        for a, b in spans
+    )
+    p = build_inplace_plan(model, eg, Schedule(regions), 10**12)
+    assert [r.name for r in p.regions] == list(names)
+    reference = copy.deepcopy(model)
+    planned = p.apply(copy.deepcopy(model))
+    assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes
+    _assert_trains_alike_with_statistics(reference, planned, x, steps=1)
+
+
+def test_runs_compile_and_train_alike():
+    """torch.compile over a model with runs applied: the run structure is fixed when applied,
+    so dynamo traces plain loops; bitwise the same loss, gradients and statistics."""
+    model, x = _residual_cnn()
+    reference = copy.deepcopy(model)
+    least = _least_bytes(model, x, "inplace", None)
+    p = planner.plan(model, x, least / 1e9, form="inplace", device="cpu")
+    assert any("[" in r.name for r in p.regions)
+    planned = p.apply(copy.deepcopy(model))
+    torch._dynamo.reset()
+    compiled = torch.compile(planned, backend="aot_eager")
+    for module in (reference, compiled):
+        torch.manual_seed(0)
+        module(x).sum().backward()
+    for (name, a), b in zip(reference.named_parameters(), planned.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(reference.named_buffers(), planned.buffers()):
+        assert torch.equal(a, b), name
+
+
+class _OwnSequential(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x) * 2
+        return x
+
+
+def test_runs_are_offered_only_where_sequential_runs_its_children_back_to_back():
+    from planner.devices import device_profile
+    from planner.inplace_form import price_inplace
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(4)]
+    model = nn.Sequential(
+        nn.Sequential(*layers[:3]), _OwnSequential(*layers[3:], nn.Linear(8, 8), nn.Linear(8, 8))
+    )
+    eg = price_inplace(
+        model, torch.randn(4, 8), device=device_profile("cpu"), loss_fn=lambda y: y.sum()
+    )
+    names = set(eg.spans.values())
+    assert {"0[0:2]", "0[1:3]"} <= names  # the whole Sequential is "0" itself
+    assert not any(n.startswith("1[") for n in names)  # its own forward runs ops between
+
+
+def test_a_long_sequential_offers_runs_between_every_kth_child():
+    from planner.devices import device_profile
+    from planner.inplace_form import price_inplace
+    from planner.passes.eager import MAX_RUN_CUTS
+
+    n = 2 * MAX_RUN_CUTS + 1  # runs start and end at every 3rd child
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(n)))
+    eg = price_inplace(model, torch.randn(2, 4), device=device_profile("cpu"))
+    runs = [split_run(name)[1] for name in eg.spans.values() if name.startswith("[")]
+    cuts = {*range(0, n, 3), n}
+    assert runs and all(r.start in cuts and r.stop in cuts for r in runs)
+    assert len(runs) == len(cuts) * (len(cuts) - 1) // 2 - 1  # every pair but all n
+
+
+def test_a_plan_file_run_on_a_shorter_sequential_names_it(tmp_path):
+    from planner.inplace import ModuleRegion, check_fits, module_tree
+
+    model, _ = _residual_cnn()
+    short, _ = _residual_cnn()
+    short.blocks = short.blocks[:2]
+    with pytest.raises(planner.PlanFileError, match=r"'blocks' as one call.*at least 3"):
+        check_fits(short, "ResidualCNN", module_tree(model), (ModuleRegion("blocks[0:3]"),), "f")
 
 
 # --------------------------------------------------------------------------- mixed precision
