@@ -20,10 +20,9 @@ and three rules only estimated graphs use, which dp does not model exactly, so i
 differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
 copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region, nested ones
 approximately). :func:`solve_dp` replays its answer through ``simulate`` and never returns a
-plan above the budget by it (where simulate prices it higher, it answers with its table's pick
-at a lower budget that fits: :func:`_tightened`). ``Schedule.gap`` is 0.0 only when the space
-was every interval of the uncoarsened graph on a 1-byte grid and the graph uses none of those
-three rules; the note names the space searched.
+plan above the budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of
+the uncoarsened graph on a 1-byte grid and the graph uses none of those three rules; the note
+names the space searched.
 
 With ``DPOptions.offload`` (by default: when ``CostGraph.host_link``, a GPU's) the space also
 holds top-level offload regions with nothing nested in them (simulate's Rule 7: saves sent to
@@ -1411,48 +1410,6 @@ def _space(graph: CostGraph, options: DPOptions) -> tuple[bool, str]:
     return every, note + depth
 
 
-# When simulate prices dp's answer above the budget (where dp's prices are not simulate's:
-# the module docstring), dp asks its table for the schedules it picks at lower budgets, at most
-# this many, each replayed by simulate (T5 in place: Python-held storages).
-TIGHTEN_TRIES = 12
-
-
-def _tightened(
-    graph: CostGraph, solved: Solved, budget_bytes: float, peak_bytes: int
-) -> tuple[float, tuple[Region, ...]] | None:
-    """(predicted step time, regions) of the fastest schedule found that ``solved``'s table
-    picks at a budget below ``budget_bytes`` and that fits ``budget_bytes`` by simulate, given
-    that its pick at ``budget_bytes`` peaks at ``peak_bytes`` by simulate, above it. Steps
-    down by the last overshoot until a pick fits, then bisects between the lowest budget that
-    did not fit and the highest that did; None if no pick fits within TIGHTEN_TRIES replays.
-    Lower budgets of one table cost only a traceback each: the programme ran once for every
-    budget up to the cap (:func:`solve_all`)."""
-    least = solved.least_bytes()
-    if least is None:
-        return None
-    no_fit, fit = float(budget_bytes), None
-    target, over = float(budget_bytes), peak_bytes - budget_bytes
-    best: tuple[float, tuple[Region, ...]] | None = None
-    for _ in range(TIGHTEN_TRIES):
-        # the table's budgets are whole units, and none below its least holds a schedule
-        target = max(least, target - over) if fit is None else (fit + no_fit) / 2
-        if no_fit - target < solved.unit_bytes:
-            break
-        schedule = solved.schedule(target)
-        if schedule is None:  # at or above the table's least: not expected
-            break
-        sim = simulate(graph, schedule)
-        if sim.peak_bytes <= budget_bytes:
-            fit = target
-            if best is None or sim.step_time_s < best[0]:
-                best = (sim.step_time_s, schedule.regions)
-        elif target == least:
-            break  # not even the table's least-memory pick fits
-        else:
-            no_fit, over = target, max(1, sim.peak_bytes - budget_bytes)
-    return best
-
-
 class _NoFit(Exception):
     """Nothing in the space searched fits the budget (the least it reaches was not sought)."""
 
@@ -1466,10 +1423,6 @@ def _solve_within(
     every, note = _space(graph, options)
     # Optimal for simulate only where its prices are simulate's (see the module docstring).
     every = every and _prices_exactly(graph)
-    # (predicted step time, regions, gap, whether below the budget by dp's prices): the
-    # answers that fit by simulate, of the space with selective regions and without
-    fits: list[tuple[float, tuple[Region, ...], float | None, bool]] = []
-    unit_bytes = 1
     solved: Solved | None = None
     for with_selective in (True, False) if options.selective else (False,):
         if solved is None:
@@ -1477,27 +1430,15 @@ def _solve_within(
             solved = solve_all(graph, min(float(budget_bytes), eager), opts, deadline)
         else:  # the same programme without selective regions, its region contexts shared
             solved = without_selective(solved)
-        unit_bytes = max(unit_bytes, solved.unit_bytes)
         schedule = solved.schedule(budget_bytes)
         if schedule is None:
             break  # nothing of the space fits, nor of its part without selective regions
-        sim = simulate(graph, schedule)
-        if sim.peak_bytes <= budget_bytes:
-            exact = every and solved.unit_bytes == 1
-            fits.append((sim.step_time_s, schedule.regions, 0.0 if exact else None, False))
-            break
-        # simulate prices it higher (selective recomputation, or what dp does not price
-        # exactly): the schedules dp's table picks at lower budgets, no further solve
-        tight = _tightened(graph, solved, budget_bytes, sim.peak_bytes)
-        if tight is not None:
-            fits.append((tight[0], tight[1], None, True))
-    if fits:
-        _, regions, gap, tightened = min(fits, key=lambda f: f[0])
-        if unit_bytes > 1:
-            note += f", bytes rounded up to {unit_bytes}"
-        if tightened:
-            note += ", planned below the budget by dp's prices (simulate prices its answer higher)"
-        return regions, note, gap
+        if simulate(graph, schedule).peak_bytes > budget_bytes:
+            continue  # simulate prices selective recomputation higher
+        if solved.unit_bytes > 1:
+            note += f", bytes rounded up to {solved.unit_bytes}"
+        exact = every and solved.unit_bytes == 1
+        return schedule.regions, note, 0.0 if exact else None
     raise _NoFit
 
 
@@ -1569,10 +1510,8 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     The least budget it states is :func:`least_memory`'s: one schedule's peak by ``simulate``,
     sought on a space fixed by counted work (no deadline) over the graph with objective-free
     times, so the same whatever the budget asked, the objective, the time limit and the load.
-    When ``simulate`` prices the pick at the budget higher (rounding up, or a model
-    disagreement: T5's Python-held storages), the picks of the same table at lower budgets are
-    tried (:func:`_tightened`, no further solve); when none fits, that schedule answers if it
-    fits: every budget from the least it states up
+    When nothing of the space searched fits the budget on its grid (rounding up, or a model
+    disagreement), that schedule answers if it fits: every budget from the least it states up
     is planned.
 
     Anytime within ``options.time_limit_s`` (seconds of this process's CPU time): on a graph

@@ -479,9 +479,7 @@ def test_compare_and_fit_batch_plan_one_fsdp_rank_as_plan_does():
     # one rank holds half the parameter gradients, and FSDP2's buffers: another eager peak
     assert c.eager_predicted_peak_bytes != unsharded.eager_predicted_peak_bytes
     row = c.rows[0]
-    # checkpointed (a selective MLP and a dropout here: next to no FLOPs recomputed)
-    assert row.feasible and c.plans[("dp", row.budget_bytes)].regions
-    assert row.predicted_peak_bytes < c.eager_predicted_peak_bytes
+    assert row.feasible and row.recompute_flops_pct > 0
     api = planner.plan(
         model, example_input, row.budget_bytes / 1e9, solver="dp", device="h100", fsdp=config
     )
