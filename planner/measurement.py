@@ -34,10 +34,10 @@ import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -93,7 +93,8 @@ def measure(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    _check_runs(warmup, repeats)
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     device = _device_of(module_or_model, example_input)
     if method == "auto":
         method = _auto_method(module_or_model, device)
@@ -108,7 +109,9 @@ def measure(
 
     measure_step = {"tracker": _tracked_step, "cuda": _cuda_step, "profiler": _profiled_step}
     with _restored_state(module_or_model, device):
-        _warm_up(module_or_model, example_input, loss_fn, warmup)
+        for _ in range(warmup):
+            _clear_grads(module_or_model)
+            _step(module_or_model, example_input, loss_fn)
         _clear_grads(module_or_model)
         gc.collect()
         peak_bytes, saved_bytes, timeline, peak_event = measure_step[method](
@@ -123,6 +126,13 @@ def measure(
         method=method,
         peak_event=peak_event,
     )
+
+
+def _step(module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None) -> None:
+    with amp_forward():
+        loss = training_loss(call(module, example_input, loss_fn), loss_fn, example_input)
+    with amp_backward():
+        loss.backward()
 
 
 def time_step(
@@ -141,11 +151,16 @@ def time_step(
     process without the time other processes ran; one-thread CPU steps only, as a device
     calibration times them, ``passes/op_timing.clock``).
     """
-    now = _clock(clock)
-    _check_runs(warmup, repeats)
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     device = _device_of(module_or_model, example_input)
     with _restored_state(module_or_model, device):
-        _warm_up(module_or_model, example_input, loss_fn, warmup)
+        for _ in range(warmup):
+            _clear_grads(module_or_model)
+            _step(module_or_model, example_input, loss_fn)
+        now = time.process_time if clock == "cpu" else time.perf_counter
         return _timed_steps(module_or_model, example_input, loss_fn, device, repeats, now)
 
 
@@ -167,8 +182,8 @@ def measured_step_time(
     plain step), so what is fitted from small differences, the selective policy's cost per
     call above all, is approximate. None when the unplanned step does not fit in the device's
     memory (the reason to plan). ``clock`` as for :func:`time_step`."""
-    now = _clock(clock)
     device = _device_of(module_or_model, example_input)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     steps = {
         "plain": module_or_model,
         "checkpointed": _CheckpointedWhole(module_or_model),
@@ -234,11 +249,6 @@ def _timed_steps(
     repeats: int,
     now: Any = time.perf_counter,
 ) -> StepTime:
-
-    def forward_done(loss: torch.Tensor) -> float:
-        _sync(device)
-        return now()
-
     forward_s, backward_s = [], []
     # No gc.collect() between steps: walking every Python object evicts the caches and slows
     # the next step of a small model by up to 2x, which a training loop never pays.
@@ -246,7 +256,13 @@ def _timed_steps(
         _clear_grads(module)
         _sync(device)
         start_s = now()
-        backward_start_s = _step(module, example_input, loss_fn, after_loss=forward_done)
+        with amp_forward():
+            loss = training_loss(call(module, example_input, loss_fn), loss_fn, example_input)
+        _sync(device)
+        backward_start_s = now()
+        with amp_backward():
+            loss.backward()
+        del loss
         _sync(device)
         forward_s.append(backward_start_s - start_s)
         backward_s.append(now() - backward_start_s)
@@ -368,16 +384,19 @@ def _tracked_step(
     module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, device: torch.device
 ) -> tuple[int, int, list[tuple[str, int]], str]:
     tracker = _LiveStorageTracker(_baseline_tensors(module, example_input))
-
-    def saved(loss: torch.Tensor) -> int:
-        tracker.mark("loss:end")
-        return tracker.live_bytes - loss.untyped_storage().nbytes()
-
     try:
         with tracker:
-            saved_bytes = _step(
-                module, example_input, loss_fn, phase=_in(tracker), after_loss=saved
-            )
+            with amp_forward():
+                output = call(module, example_input, loss_fn)
+                tracker.phase = "loss"
+                loss = training_loss(output, loss_fn, example_input)
+                del output  # whatever backward needs, autograd keeps alive
+            tracker.mark("loss:end")
+            saved_bytes = tracker.live_bytes - loss.untyped_storage().nbytes()
+            tracker.phase = "backward"
+            with amp_backward():
+                loss.backward()
+            del loss
             tracker.mark("backward:end")
     finally:
         tracker.detach()
@@ -460,15 +479,20 @@ def _cuda_step(
     base_bytes = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     log = _AllocatedLog(device, base_bytes)
-
-    def saved(loss: torch.Tensor) -> int:
+    with log:
+        with amp_forward():
+            output = call(module, example_input, loss_fn)
+            log.phase = "loss"
+            loss = training_loss(output, loss_fn, example_input)
+            del output
         log.log("loss:end")
         # the caching allocator rounds every block up to 512 bytes
         loss_bytes = -(-loss.untyped_storage().nbytes() // 512) * 512
-        return torch.cuda.memory_allocated(device) - base_bytes - loss_bytes
-
-    with log:
-        saved_bytes = _step(module, example_input, loss_fn, phase=_in(log), after_loss=saved)
+        saved_bytes = torch.cuda.memory_allocated(device) - base_bytes - loss_bytes
+        log.phase = "backward"
+        with amp_backward():
+            loss.backward()
+        del loss
         log.log("backward:end")
     torch.cuda.synchronize(device)
     peak_bytes = torch.cuda.max_memory_allocated(device) - base_bytes
@@ -488,15 +512,17 @@ def _profiled_step(
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-
-    def recorded(phase: str) -> AbstractContextManager[Any]:
-        return record_function(f"planner::{phase}")
-
-    def nbytes(loss: torch.Tensor) -> int:
-        return loss.untyped_storage().nbytes()
-
     with profile(activities=activities, profile_memory=True) as prof:
-        loss_bytes = _step(module, example_input, loss_fn, phase=recorded, after_loss=nbytes)
+        with amp_forward():
+            with record_function("planner::forward"):
+                output = call(module, example_input, loss_fn)
+            with record_function("planner::loss"):
+                loss = training_loss(output, loss_fn, example_input)
+                del output
+        loss_bytes = loss.untyped_storage().nbytes()
+        with record_function("planner::backward"), amp_backward():
+            loss.backward()
+            del loss
         _sync(device)
 
     events = prof.profiler.kineto_results.events()
@@ -539,69 +565,6 @@ def _phase_at(t_ns: int, ranges_ns: dict[str, tuple[int, int]]) -> str:
 
 
 # --- helpers -----------------------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-def _unmarked(phase: str) -> AbstractContextManager[Any]:
-    return nullcontext()
-
-
-def _step(
-    module: torch.nn.Module,
-    example_input: Any,
-    loss_fn: LossFn | None,
-    *,
-    phase: Callable[[str], AbstractContextManager[Any]] = _unmarked,
-    after_loss: Callable[[torch.Tensor], T] | None = None,
-) -> T | None:
-    """One forward + loss + backward step as every measurement runs it (``passes/step.py``'s
-    autocast), each phase ("forward", "loss", "backward") inside ``phase(name)``; returns what
-    ``after_loss(loss)`` returns, called between the loss and the backward. The forward's output
-    is dropped within the loss phase (whatever backward needs, autograd keeps alive) and the
-    loss within the backward one, so every method sees them freed where the others do."""
-    with amp_forward():
-        with phase("forward"):
-            output = call(module, example_input, loss_fn)
-        with phase("loss"):
-            loss = training_loss(output, loss_fn, example_input)
-            del output
-    got = None if after_loss is None else after_loss(loss)
-    with phase("backward"), amp_backward():
-        loss.backward()
-        del loss
-    return got
-
-
-def _in(log: _LiveStorageTracker | _AllocatedLog) -> Callable[[str], AbstractContextManager[Any]]:
-    """``_step``'s ``phase`` for a dispatch mode that labels its events by ``log.phase``."""
-
-    def entering(phase: str) -> AbstractContextManager[Any]:
-        log.phase = phase
-        return nullcontext()
-
-    return entering
-
-
-def _warm_up(
-    module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, warmup: int
-) -> None:
-    """``warmup`` untracked steps, each from parameter gradients None."""
-    for _ in range(warmup):
-        _clear_grads(module)
-        _step(module, example_input, loss_fn)
-
-
-def _check_runs(warmup: int, repeats: int) -> None:
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
-
-
-def _clock(clock: str) -> Callable[[], float]:
-    """The clock ``clock`` names ("wall" or "cpu": see :func:`time_step`)."""
-    if clock not in ("wall", "cpu"):
-        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
-    return time.process_time if clock == "cpu" else time.perf_counter
 
 
 def _device_of(module: torch.nn.Module, example_input: Any) -> torch.device:
