@@ -167,6 +167,20 @@ def tagged_example(seed: int = 0):
     return TaggedNet(), torch.randn(256, 64)
 
 
+# The zoo: every model the end-to-end tests plan, in both forms (test_models.py: the graph
+# form; test_models_inplace.py: the README's call, in place).
+MODELS = {
+    "gpt2": gpt2_example,
+    "llama": llama_example,
+    "bert": bert_example,
+    "unet": small_unet_example,
+    "mha": mha_example,
+    "inplace": inplace_example,
+    "tagged": tagged_example,
+}
+SLOW = frozenset({"gpt2", "llama", "bert"})  # Hugging Face models: marked slow
+
+
 class DataDependentNet(nn.Module):
     """Branches on a tensor's value: neither torch.export nor symbolic_trace can capture it."""
 

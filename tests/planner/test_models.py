@@ -69,16 +69,8 @@ def plan_at_half(name: str, model: torch.nn.Module, example_input: Any) -> Case:
     return Case(name, model, example_input, eager, p, at_least, measured)
 
 
-MODELS = {
-    "gpt2": zoo.gpt2_example,
-    "llama": zoo.llama_example,
-    "bert": zoo.bert_example,
-    "unet": zoo.small_unet_example,
-    "mha": zoo.mha_example,
-    "inplace": zoo.inplace_example,
-    "tagged": zoo.tagged_example,
-}
-SLOW = {"gpt2", "llama", "bert"}
+MODELS = zoo.MODELS
+SLOW = zoo.SLOW
 # Known defects in other parts, reported with reproducers; strict, so a fix shows as XPASS.
 # Whole model: planning it fails.
 BROKEN: dict[str, pytest.MarkDecorator] = {}
