@@ -22,7 +22,6 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -325,22 +324,57 @@ def profile_name(device: str) -> str | None:
     return key if key in PROFILES else None
 
 
-def planning_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options of ``planner.plan``'s solve that every model command shares."""
-    return dict(
+def plan_options(args: argparse.Namespace) -> Any:
+    """``planner.plan``'s options (a ``PlanOptions``) from the flags every model command shares,
+    one flag per field, so that plan, compare and fit-batch hand the API the same options."""
+    import torch
+
+    from planner.planning import PlanOptions
+
+    fraction = args.max_recompute_flops
+    return PlanOptions(
+        form=args.form,
+        loss_fn=load_callable(args.loss, "--loss") if args.loss else None,
+        device=profile_name(args.device),
+        fsdp=fsdp_config(args.fsdp),
+        calibration=args.calibration,
         objective=args.objective,
-        max_recompute_flops_fraction=(
-            None if args.max_recompute_flops is None else args.max_recompute_flops / 100
-        ),
+        max_recompute_flops_fraction=None if fraction is None else fraction / 100,
         compiled=args.compiled,
+        autocast={"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast],
     )
 
 
-def autocast_dtype(args: argparse.Namespace) -> Any:
-    """--autocast as the torch dtype ``planner.plan(..., autocast=)`` takes (None: off)."""
-    import torch
+def fsdp_config(text: str | None) -> Any:
+    """--fsdp as a ``planner.FSDPConfig``: a world size, or a JSON object of its fields."""
+    from dataclasses import fields
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
+    from planner.fsdp import FSDPConfig
+
+    if text is None:
+        return None
+    fix = (
+        "--fsdp takes the world size (8) or a JSON object of planner.FSDPConfig's fields, e.g. "
+        '\'{"world_size": 8, "units": ["layers.0", "layers.1"]}\''
+    )
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        raise UsageError(f"{fix}; got {text!r}") from None
+    if isinstance(body, int) and not isinstance(body, bool):
+        body = {"world_size": body}
+    if not isinstance(body, dict):
+        raise UsageError(f"{fix}; got {text!r}")
+    known = [f.name for f in fields(FSDPConfig)]
+    unknown = sorted(set(body) - set(known))
+    if unknown or "world_size" not in body:
+        raise UsageError(f"{fix}; its fields are {', '.join(known)} (world_size required)")
+    if body.get("units") is not None:
+        body["units"] = tuple(body["units"])
+    try:
+        return FSDPConfig(**body)  # a bad value: its ValueError names the field and the fix
+    except TypeError as e:
+        raise UsageError(f"--fsdp: {e}") from None
 
 
 def solver_options(args: argparse.Namespace, solvers: Sequence[str]) -> dict[str, Any]:
@@ -417,8 +451,6 @@ def _console() -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from planner.planning import PlanOptions
-
     kind, value = parse_budget(args.budget)
     check_solvers(args.form, [args.solver])
     if args.show_code and args.form != "graph":
@@ -427,13 +459,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "plan wraps the model's own modules, whose code does not change)"
         )
     opts = solver_options(args, [args.solver])
-    profile = profile_name(args.device)
     placement(args.device)  # a device that is neither fails before the model is built
-    options = PlanOptions(
-        args.form, device=profile, autocast=autocast_dtype(args), **planning_options(args)
-    ).checked([args.solver])
-    loss_fn = load_callable(args.loss, "--loss") if args.loss else None
-    options = replace(options, loss_fn=loss_fn)
+    options = plan_options(args).checked([args.solver])
+    loss_fn = options.loss_fn
     model, example_input = build_example(args)
     with tqdm(total=4, desc="capture", unit="step", delay=0.5, disable=args.quiet) as bar:
 
@@ -514,7 +542,6 @@ def check_solvers(form: str, names: Sequence[str]) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.comparison import compare, solver_names
-    from planner.planning import check_form_options
 
     budgets_gb = fractions = None
     if args.budgets:
@@ -528,10 +555,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         check_solvers(args.form, solvers)
     names = solvers or solver_names(args.form)
     opts = solver_options(args, names)
-    profile = profile_name(args.device)
     placement(args.device)  # a device that is neither fails before the model is built
-    check_form_options(args.form, device=profile, objective=args.objective, compiled=args.compiled)
-    loss_fn = load_callable(args.loss, "--loss") if args.loss else None
+    options = plan_options(args)
+    options.checked(names)  # before the model is built
     model, example_input = build_example(args)
     c = compare(
         model,
@@ -539,14 +565,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         budgets_gb=budgets_gb,
         solvers=solvers,
         measure=args.measure,
-        form=args.form,
-        loss_fn=loss_fn,
         budget_fractions=fractions,
-        device=profile,
         solver_opts=opts,
         progress=not args.quiet,
-        autocast=autocast_dtype(args),
-        **planning_options(args),
+        **options.keywords(),
     )
     out = _console()
     out.print(c)
@@ -594,8 +616,8 @@ def cmd_fit_batch(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"cannot read --batch-sizes {args.batch_sizes!r}; e.g. 1,2,4,8"
             ) from None
-    profile = profile_name(args.device)
     place = placement(args.device)
+    options = plan_options(args)
     load_callable(args.model)  # a name that cannot be imported fails before anything runs
 
     def call(batch_size: int) -> tuple[torch.nn.Module, Any]:
@@ -615,18 +637,13 @@ def cmd_fit_batch(args: argparse.Namespace) -> int:
         )
 
     model, _ = call(sizes[0] if sizes else 1)
-    loss_fn = load_callable(args.loss, "--loss") if args.loss else None
     fit = fit_batch(
         model,
         lambda batch_size: call(batch_size)[1],
         value / 1e9,
         batch_sizes=sizes,
         solver=args.solver,
-        device=profile,
-        loss_fn=loss_fn,
-        form=args.form,
-        autocast=autocast_dtype(args),
-        **planning_options(args),
+        **options.keywords(),
         **opts,
     )
     out = _console()
@@ -785,6 +802,18 @@ def _planning_arguments(sub: argparse.ArgumentParser, solvers_flag: str = "--sol
         "--autocast",
         choices=("bf16", "fp16"),
         help="price the step under torch.autocast in this dtype, as you train (default: off)",
+    )
+    group.add_argument(
+        "--fsdp",
+        metavar="N_OR_JSON",
+        help="plan one rank of FSDP2 sharding over N ranks (the input is that rank's "
+        "micro-batch), or a JSON object of planner.FSDPConfig's fields (in place only)",
+    )
+    group.add_argument(
+        "--calibration",
+        metavar="PATH",
+        help="price time from this calibration file and add the calls it lacks (a path that "
+        "does not exist receives this device's); default: the on-disk cache",
     )
     group.add_argument(
         "--solver-opts",

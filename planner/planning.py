@@ -128,6 +128,11 @@ class PlanOptions:
         field's name, so that ``help()`` lists them, and gather them here in one place."""
         return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
+    def keywords(self) -> dict[str, Any]:
+        """These options as the keywords of ``plan``, ``compare`` and ``fit_batch`` (the
+        inverse of :meth:`of`), for a caller that holds them whole (the command line)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def checked(self, solvers: Sequence[str] = ("auto",)) -> PlanOptions:
         """These options, checked before the slow part (:func:`check_form_options`) for
         ``solvers``, the device resolved to its profile."""

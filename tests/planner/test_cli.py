@@ -474,6 +474,8 @@ BROKEN = {
         (f"{GPT}", ["--solver-opts", '{"nope": 1}'], "--solver-opts for auto: "),
         (f"{GPT}", ["--solver-opts", "[1]"], "--solver-opts must be a JSON object"),
         (f"{GPT}", ["--device", "tpu9"], "--device 'tpu9' is neither a torch device"),
+        (f"{GPT}", ["--fsdp", "two"], "--fsdp takes the world size (8) or a JSON object"),
+        (f"{GPT}", ["--fsdp", '{"world": 2}'], "its fields are world_size, reshard_after"),
     ],
 )
 def test_bad_models_and_options_exit_2_with_one_line(model, extra, message, tmp_path, capsys):
@@ -587,3 +589,99 @@ def test_plan_for_compile_and_autocast_as_the_api_plans(capsys):
     assert f"predicted peak {format_bytes(api.predicted_peak_bytes)}" in flat(out)
     assert main([*argv, "--compiled", "--form", "graph"]) == 2
     assert "compiled=True plans the in-place form" in capsys.readouterr().err
+
+
+# --- every option of planner.plan, on every model command ------------------------------------
+
+# One flag per PlanOptions field, and the value it must hand the API; a field added to
+# PlanOptions without its flag here (and in the CLI) fails the test below.
+OPTION_FLAGS: dict[str, tuple[list[str], object]] = {
+    "form": (["--form", "graph"], "graph"),
+    "loss_fn": (["--loss", "torch:sum"], torch.sum),
+    "device": (["--device", "h100"], "h100"),
+    "fsdp": (["--fsdp", '{"world_size": 4, "backend": "gloo"}'], "fsdp"),
+    "calibration": (["--calibration", "cal.json"], "cal.json"),
+    "objective": (["--objective", "flops"], "flops"),
+    "max_recompute_flops_fraction": (["--max-recompute-flops", "0.5"], 0.005),
+    "compiled": (["--compiled"], True),
+    "autocast": (["--autocast", "bf16"], torch.bfloat16),
+}
+COMMANDS = {  # the command line of each model command, and the API function it calls
+    "plan": (["plan", GPT, "--budget", "1GB"], "planner.planning.PlanOptions.price"),
+    "compare": (["compare", GPT, "--budgets", "1GB"], "planner.comparison.compare"),
+    "fit-batch": (
+        ["fit-batch", "benchmarks.models:gpt_ref_small_for_batch", "--budget", "1GB"]
+        + ["--batch-sizes", "1"],
+        "planner.batch_search.fit_batch",
+    ),
+}
+
+
+class _Reached(Exception):
+    """Raised where a command hands its options to the API: what it handed on."""
+
+    def __init__(self, options) -> None:
+        super().__init__("reached the API")
+        self.options = options
+
+
+def test_every_plan_option_has_a_flag():
+    import dataclasses
+
+    from planner.planning import PlanOptions
+
+    assert [f.name for f in dataclasses.fields(PlanOptions)] == list(OPTION_FLAGS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("field", OPTION_FLAGS)
+def test_each_model_command_hands_each_option_to_the_api(command, field, monkeypatch):
+    """plan, compare and fit-batch take each of ``planner.plan``'s options as a flag and hand
+    it on as that option, the others at their defaults (the API checks the values)."""
+    import dataclasses
+
+    from planner.devices import device_profile
+    from planner.fsdp import FSDPConfig
+    from planner.planning import PlanOptions
+
+    argv, target = COMMANDS[command]
+    flag, expected = OPTION_FLAGS[field]
+    if expected == "fsdp":
+        expected = FSDPConfig(world_size=4, backend="gloo")
+
+    def reached(*args, **kwargs):
+        raise _Reached(args[0] if target.endswith(".price") else PlanOptions.of(kwargs))
+
+    monkeypatch.setattr(target, reached)
+    with pytest.raises(_Reached) as info:
+        main([*argv, "-q", *flag])
+    options = info.value.options
+    if options.device is not None:  # a name, or (plan's, once checked) its profile
+        options = dataclasses.replace(options, device=device_profile(options.device))
+        expected = device_profile(expected)
+    assert getattr(options, field) == expected, (command, field)
+    for other in dataclasses.fields(PlanOptions):
+        if other.name != field:
+            assert getattr(options, other.name) == other.default, (command, field, other.name)
+
+
+def test_fsdp_and_a_pinned_calibration_plan_as_the_api_plans(tmp_path, capsys):
+    """--fsdp and --calibration are plan's fsdp= and calibration=: the same plan; the
+    calibration file, absent at first, receives the device's calibration."""
+    from planner.fsdp import FSDPConfig
+
+    calibration, out = tmp_path / "cal.json", tmp_path / "plan.json"
+    argv = ["plan", GPT, "--budget", "90%", "--fsdp", "2", "-q", "--solver", "dp"]
+    assert main([*argv, "--calibration", str(calibration), "--objective", "flops"]) == 0
+    assert calibration.exists()
+    assert main([*argv, "--calibration", str(calibration), "--out", str(out)]) == 0
+    capsys.readouterr()
+    body = json.loads(out.read_text())
+    model, x = gpt_ref_small_example()
+    api = planner.plan(
+        model, x, body["budget_bytes"] / 1e9, "dp", fsdp=FSDPConfig(2), calibration=calibration
+    )
+    assert body["predictions"]["peak_bytes"] == api.predicted_peak_bytes
+    assert [r["module"] for r in body["regions"]] == [r.name for r in api.regions]
+    unsharded = planner.plan(model, x, body["budget_bytes"] / 1e9, "dp", calibration=calibration)
+    assert unsharded.baseline_peak_bytes != api.baseline_peak_bytes  # the flag was not ignored
