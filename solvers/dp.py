@@ -898,20 +898,6 @@ class _Programme:
                     held_bytes += p.size[t] if t in saves else 0
         return need, kept_bytes, tuple(sorted(cross.items())), stopped
 
-    def value(
-        self,
-        c: int,
-        b: int,
-        crossing: tuple,
-        root: bool,
-        whole_ok: bool,
-        depth: int,
-        credit: Credit = None,
-    ) -> np.ndarray:
-        """``V[m]``: least recompute time from cut c to the context's end within m units."""
-        key = self.key(c, b, crossing, root, whole_ok, depth, credit)
-        return self.value_at(key, c, b, crossing, root, whole_ok, depth, credit)
-
     def value_at(
         self,
         key: int | None,
@@ -923,7 +909,9 @@ class _Programme:
         depth: int,
         credit: Credit = None,
     ) -> np.ndarray:
-        """:meth:`value` of the state whose :meth:`key` is ``key``."""
+        """``V[m]``: least recompute time from cut c to the context's end within m units, for
+        the state whose :meth:`key` is ``key`` (callers keep the key: the choices they record
+        name the state by it)."""
         if key is None:
             return self._end
         got = self.memo.get(key)
@@ -1247,7 +1235,8 @@ def _run(graph: CostGraph, prog: _Programme) -> Solved:
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * n + 1000))
     try:
-        root = prog.value(0, n, (), True, True, 0)
+        start = (0, n, (), True, True, 0)  # the whole step, from its first cut, as root
+        root = prog.value_at(prog.key(*start), *start)
     finally:
         sys.setrecursionlimit(limit)
     return Solved(graph, prog, root)
