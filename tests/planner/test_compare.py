@@ -12,6 +12,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from matplotlib.figure import Figure
@@ -502,8 +503,6 @@ def test_compare_and_fit_batch_plan_one_fsdp_rank_as_plan_does():
 def test_compare_and_fit_batch_take_compiled_and_autocast_as_plan_does():
     """``compiled`` and ``autocast`` reach every entry point through the one PlanOptions: the
     row compare makes and the plan fit_batch picks are the plans ``plan`` makes with them."""
-    import torch
-
     import planner.comparison as compare_module
     from benchmarks.models import gpt_ref_small_for_batch
 
@@ -556,3 +555,61 @@ def test_every_entry_point_spells_out_every_plan_option(entry):
         assert params[field.name].kind is not inspect.Parameter.POSITIONAL_ONLY
         if entry == "plan":  # the others document theirs "as for planner.plan"
             assert f"``{field.name}" in function.__doc__, field.name
+
+
+def _loss(output):
+    return output.sum()
+
+
+# A value other than the default for each PlanOptions field; a field added without one here
+# fails test_every_entry_point_hands_each_option_to_the_pricing.
+NOT_DEFAULT = {
+    "form": "graph",
+    "loss_fn": _loss,
+    "device": "h100",
+    "fsdp": planner.FSDPConfig(2),
+    "calibration": "calibration.json",
+    "objective": "flops",
+    "max_recompute_flops_fraction": 0.5,
+    "compiled": True,
+    "autocast": torch.bfloat16,
+}
+
+
+class _Priced(Exception):
+    """Raised where an entry point prices the step: the options it priced with."""
+
+    def __init__(self, options) -> None:
+        super().__init__("priced")
+        self.options = options
+
+
+@pytest.mark.parametrize("field", NOT_DEFAULT)
+@pytest.mark.parametrize("entry", ["plan", "compare", "fit_batch"])
+def test_every_entry_point_hands_each_option_to_the_pricing(entry, field, monkeypatch):
+    """Given one option, each entry point prices with it (the others at their defaults): the
+    option is taken, checked and handed on, not dropped on the way."""
+    from planner.devices import device_profile
+    from planner.planning import PlanOptions
+
+    assert list(NOT_DEFAULT) == [f.name for f in dataclasses.fields(PlanOptions)]
+    value = NOT_DEFAULT[field]
+
+    def priced(self, *args, **kwargs):
+        raise _Priced(self)
+
+    monkeypatch.setattr(PlanOptions, "price", priced)
+    model, example_input = gpt_ref_small_example()
+    calls = {
+        "plan": lambda: planner.plan(model, example_input, 1.0, "dp", **{field: value}),
+        "compare": lambda: planner.compare(model, example_input, [1.0], ["dp"], **{field: value}),
+        "fit_batch": lambda: planner.fit_batch(
+            model, lambda b: example_input, 1.0, [1], "dp", **{field: value}, progress=False
+        ),
+    }
+    with pytest.raises(_Priced) as info:
+        calls[entry]()
+    expected = dataclasses.replace(PlanOptions(), **{field: value})
+    if field == "device":  # checked: the name resolved to its profile
+        expected = dataclasses.replace(expected, device=device_profile(value))
+    assert info.value.options == expected
