@@ -6,6 +6,7 @@ Two runs go through a real subprocess (plan and compare, as a user types them); 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -443,8 +444,10 @@ def test_a_hugging_face_class_plans_from_its_config(tmp_path, capsys):
     assert [r["module"] for r in body["regions"]] == [r.name for r in p.regions]
     module_paths = dict(model.named_modules())
     assert all(r.name in module_paths for r in p.regions)  # regions are the model's own modules
-    planner.apply_plan(model, out_json)
+    reference = copy.deepcopy(model)
+    assert planner.apply_plan(model, out_json) is model
     assert wrapped_modules(model) == [r.name for r in p.regions]
+    assert_same_step_copy(reference, model, {"input_ids": ids, "labels": ids})
 
 
 BROKEN = {
