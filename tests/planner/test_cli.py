@@ -430,7 +430,8 @@ def test_a_hugging_face_class_plans_from_its_config(tmp_path, capsys):
     assert main([*argv, "--hf-config", json.dumps(HF_CONFIG), "--out", str(out_json)]) == 0
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     assert main([*argv, "--hf-config", str(tmp_path), "--out", str(out_file)]) == 0  # directory
-    capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "checkpoint regions" in printed and "…" not in printed  # module paths whole
     body = json.loads(out_json.read_text())
     assert body["model_class"] == "LlamaForCausalLM" and body["regions"]
     assert body["regions"] == json.loads(out_file.read_text())["regions"]
