@@ -23,7 +23,11 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: --help must not wait for torch
+    from planner.fsdp import FSDPConfig
+    from planner.planning import PlanOptions
 
 UNITS = {
     "b": 1,
@@ -324,7 +328,7 @@ def profile_name(device: str) -> str | None:
     return key if key in PROFILES else None
 
 
-def plan_options(args: argparse.Namespace) -> Any:
+def plan_options(args: argparse.Namespace) -> PlanOptions:
     """``planner.plan``'s options (a ``PlanOptions``) from the flags every model command shares,
     one flag per field, so that plan, compare and fit-batch hand the API the same options."""
     import torch
@@ -345,7 +349,7 @@ def plan_options(args: argparse.Namespace) -> Any:
     )
 
 
-def fsdp_config(text: str | None) -> Any:
+def fsdp_config(text: str | None) -> FSDPConfig | None:
     """--fsdp as a ``planner.FSDPConfig``: a world size, or a JSON object of its fields."""
     from dataclasses import fields
 
@@ -369,8 +373,11 @@ def fsdp_config(text: str | None) -> Any:
     unknown = sorted(set(body) - set(known))
     if unknown or "world_size" not in body:
         raise UsageError(f"{fix}; its fields are {', '.join(known)} (world_size required)")
-    if body.get("units") is not None:
-        body["units"] = tuple(body["units"])
+    units = body.get("units")
+    if units is not None and not isinstance(units, list):
+        raise UsageError(f"{fix}; units is a list of module paths, got {units!r}")
+    if units is not None:
+        body["units"] = tuple(units)
     try:
         return FSDPConfig(**body)  # a bad value: its ValueError names the field and the fix
     except TypeError as e:
