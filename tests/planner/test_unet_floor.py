@@ -19,7 +19,7 @@ gradients so far (14,476 B), what the pool saved (its input, 32,768 B, and int64
 16,384 B) and its backward's temporary (8,192 B). Schedules reach that floor only with nested
 regions (flat ones, by the exact MILP, no lower than 51.0%) and each checkpoint call stashes
 the CPU RNG state (``torch.get_rng_state()``, 5,056 B; simulate's Rule 12): the six to eight
-calls whose frames are alive at the peak take ~30 KiB, 7-10% of this small step, and that is
+calls whose frames are alive at the peak take 30-40 KiB, 7-10% of this small step, and that is
 what lies between the floor and half. Where the stash is not device memory (CUDA: its RNG
 states are CPU tensors, ``region_state_bytes`` 0), the graph form reaches 43.1%, in place still
 74.6%: the root's own ops. (``unet_example()``'s default U-Net, 3 levels, 16 channels, 64x64:
