@@ -501,13 +501,7 @@ def test_compare_is_in_place_by_default_and_takes_plans_options(tmp_path, capsys
     rows = [r.split(" | ") for r in md.read_text().strip().splitlines()[4:]]
     model, x = gpt_ref_small_example()
     api = compare(model, x, budget_fractions=[1.0, 0.85], device="h100", objective="flops")
-    # a solver that answered with another's schedule is named with it: 'ilp (dp)' when the
-    # MILP's pick was over the budget by simulate (it prices no CPU RNG stash) and dp's answered
-    named = [
-        f"{r.solver} ({r.note.removeprefix('chose ')})" if r.note.startswith("chose ") else r.solver
-        for r in api.ranked()
-    ]
-    assert [r[0].removeprefix("| ") for r in rows] == named
+    assert [r[0].removeprefix("| ") for r in rows] == [r.solver for r in api.ranked()]
     assert {r.solver for r in api.rows} == {"none", "dp", "ilp"}
     for cells, r in zip(rows, api.ranked()):
         assert cells[1] == format_bytes(r.budget_bytes)
