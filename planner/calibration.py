@@ -47,6 +47,7 @@ from planner.passes.op_timing import (
     DeviceTiming,
     OpCall,
     TensorSpec,
+    allocated_bytes,
     measure_call_overhead_s,
     measure_checkpoint_overhead,
     time_call,
@@ -364,24 +365,44 @@ def _grown_by(small: OpCall, large: OpCall) -> float | None:
     return ratio
 
 
-def _per_op_corrected(
+# glibc's malloc serves a request of this many bytes or more from a fresh mmap, whatever the
+# process freed before (the ceiling of its dynamic threshold on 64-bit systems,
+# DEFAULT_MMAP_THRESHOLD_MAX), and unmaps it on free: a call that returns a tensor this large
+# page-faults it in page by page every time, in the step as when timed alone, while a smaller
+# one reuses heap the allocator already holds. GPT-ref's eager step at batch 32 takes 450-720 k
+# minor faults (0.65-1.0 s of system time, 10% of the step) against 22 k at batch 16.
+MMAP_THRESHOLD_BYTES = 32 << 20
+
+
+def size_class(call: OpCall) -> bool:
+    """Whether ``call`` allocates a storage of MMAP_THRESHOLD_BYTES or more (one it cannot run
+    on the meta device counts as below)."""
+    return max(allocated_bytes(call) or [0]) >= MMAP_THRESHOLD_BYTES
+
+
+def _per_class_corrected(
     scaled: Mapping[str, float], calls: Sequence[OpCall], device: torch.device
 ) -> dict[str, float]:
-    """``scaled`` with each op's figures corrected by one of its calls timed: its largest.
+    """``scaled`` with each (op, :func:`size_class`) group's figures corrected by one of its
+    calls timed: its largest.
 
     Linear scaling holds for compute-bound calls (matmuls: GPT-ref's within 4% from batch 8 to
     64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
-    pointwise products 2.7-3.9 times their scaled figure at batch 64): each op's largest call
-    is timed and the ratio of its time to its scaled figure applied to the op's other calls.
-    A few timed calls per batch size instead of hundreds. A largest call timed over
-    RETIME_JUMP times its scaled figure is timed again (:func:`_checked`): its factor prices
-    the whole op."""
+    pointwise products 2.7-3.9 times their scaled figure at batch 64): the group's largest call
+    is timed and the ratio of its time to its scaled figure applied to the group's other calls.
+    Per size class, not per op: a call that allocates past MMAP_THRESHOLD_BYTES pays page
+    faults its op's other calls do not (GPT-ref's batch 32: ``mm`` (8192x256)@(256x1024),
+    32 MiB out, took 39.7 ms timed; the factor of the op's largest call, one of its matmuls of
+    the same FLOPs with an output of 8 MiB or less, priced it 28.7 ms). A few timed calls per
+    batch size instead of hundreds. A largest call timed over RETIME_JUMP times its scaled
+    figure is timed again (:func:`_checked`): its factor prices the whole group."""
     by_text = {c.key_text: c for c in calls}
-    by_op: dict[str, list[tuple[float, str]]] = {}
+    groups: dict[tuple[str, bool], list[tuple[float, str]]] = {}
     for text, seconds in scaled.items():
-        by_op.setdefault(str(by_text[text].op), []).append((seconds, text))
+        call = by_text[text]
+        groups.setdefault((str(call.op), size_class(call)), []).append((seconds, text))
     out: dict[str, float] = {}
-    for group in by_op.values():
+    for group in groups.values():
         largest_s, largest = max(group)
         timed = _checked(by_text[largest], time_call(by_text[largest], device), largest_s, device)
         MEASUREMENTS["ops"] += 1
@@ -394,20 +415,51 @@ def _per_op_corrected(
 
 
 class BatchSweep:
-    """What ``fit_batch`` keeps between its batch sizes: the calls of the last step priced.
+    """What ``fit_batch`` keeps between its batch sizes: the calls of the last step priced, and
+    the model's own per-call overhead.
 
-    A larger batch's step makes the same calls in the same order on tensors with more rows:
-    each call whose counterpart (same position, same op, tensors grown by one ratio r) took at
-    least SCALE_MIN_S is priced at r times that (:func:`scaled_times`), corrected by the op's
-    largest call timed (:func:`_per_op_corrected`), instead of being timed again, so a sweep
-    times the calls of its small batch sizes and one call per op of the larger ones. Pairing
-    by position needs the two steps to make the same number of calls; a step that does not
-    (its path depends on the batch) is timed whole."""
+    A larger batch's step makes the same calls on tensors with more rows: each call whose
+    counterpart (the same occurrence of the same op, tensors grown by one ratio r:
+    :func:`paired_calls`) took at least SCALE_MIN_S is priced at r times that
+    (:func:`scaled_times`), corrected by the largest call of its op and size class timed
+    (:func:`_per_class_corrected`), instead of being timed again, so a sweep times the calls of
+    its small batch sizes and one or two calls per op of the larger ones.
+
+    The sweep's first size is timed whole when its calls add up to less than
+    SWEEP_FIRST_STEP_S (:func:`model_call_overhead_s`): it is priced by that step, and the
+    larger sizes, whose calls are the same but for their tensors' sizes, by the per-call
+    overhead it shows instead of the stand-in chain's."""
 
     def __init__(self) -> None:
         self.last_calls: list[OpCall] | None = None
         # their figures (a pinned calibration object is not extended from one size to the next)
         self.last_times_s: dict[str, float | None] = {}
+        # seconds per call beyond the calls, from the first size's step timed whole (None: not
+        # timed whole; the stand-in chain's then)
+        self.call_overhead_s: float | None = None
+        self.sizes_priced = 0  # on every rank (last_calls is rank 0's)
+
+
+# In a sweep the first (smallest) size's step is timed whole if its calls add up to less than
+# this (instead of SMALL_STEP_S), and its per-call overhead prices the larger sizes: the
+# stand-in chain (``op_timing.call_overhead_s``) misses the model's own Python and autograd
+# costs around its calls, a few microseconds per call, which is 10% of a small step (GPT-ref
+# at batch 1: 5,471 calls, predicted 12% too fast on a quiet machine; batch 4 and 8 2%). Only
+# the first size, so whether a size is timed whole does not hang on the load of the moment;
+# it costs about a dozen steps of that size (plain, checkpointed and selective, warm-ups).
+SWEEP_FIRST_STEP_S = 0.5
+
+
+def model_call_overhead_s(
+    step: tuple[float, float, float | None, float | None],
+    calls: Sequence[OpCall],
+    times_s: Mapping[str, float | None],
+) -> float:
+    """Seconds per call that the plain ``step`` (``Calibration.step_times_s``: forward and
+    backward first) spends beyond its ``calls`` timed alone (``times_s``; a call priced by the
+    roofline counts 0)."""
+    alone_s = sum(times_s.get(c.key_text) or 0.0 for c in calls)
+    return max(0.0, (step[0] + step[1] - alone_s) / max(len(calls), 1))
 
 
 _SWEEP: ContextVar[BatchSweep | None] = ContextVar("planner_batch_sweep", default=None)
@@ -551,19 +603,20 @@ class CalibrationTimer:
 
         rank0 = not distributed or dist.get_rank() == 0
         calibration = path = None
+        sweep = _SWEEP.get()
+        first_in_sweep = sweep is not None and sweep.sizes_priced == 0
         if rank0:
             calibration, path = self._start(device)
             if calibration is None:
                 calibration = _measure_new(device, self.dtype)
                 self.source = "measured now"
-            sweep = _SWEEP.get()
             scaled = expected = None
             if sweep is not None and sweep.last_calls is not None:
                 pairs = paired_calls(sweep.last_calls, calls)
                 earlier_s = {**sweep.last_times_s, **calibration.op_times_s}
                 paired = expected_times(earlier_s, pairs)
                 expected = {text: small_s * ratio for text, (small_s, ratio) in paired.items()}
-                scaled = _per_op_corrected(scaled_times(calibration, pairs), calls, device)
+                scaled = _per_class_corrected(scaled_times(calibration, pairs), calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
             if new:
                 calibration = calibration.with_times(new)
@@ -573,7 +626,8 @@ class CalibrationTimer:
                     c.key_text: calibration.op_times_s.get(c.key_text) for c in calls
                 }
             signature = step_signature(calls)
-            timed = self._time_small_step(calibration, calls, device, signature)
+            small_s = SWEEP_FIRST_STEP_S if first_in_sweep else SMALL_STEP_S
+            timed = self._time_small_step(calibration, calls, device, signature, small_s)
             if timed is not None:
                 steps = {**calibration.step_times_s, signature: timed}
                 calibration = replace(calibration, step_times_s=steps)
@@ -594,7 +648,22 @@ class CalibrationTimer:
         if not isinstance(self.pinned, Calibration):
             _PROCESS[calibration.key] = calibration
         self.used = calibration
-        return calibration.timing(f"{calibration.device}, {self.source}", signature)
+        timing = calibration.timing(f"{calibration.device}, {self.source}", signature)
+        if sweep is None:
+            return timing
+        sweep.sizes_priced += 1
+        whole = calibration.step_times_s.get(signature)
+        if first_in_sweep and whole is not None:
+            # from the calibration every rank holds, so all ranks price alike
+            sweep.call_overhead_s = model_call_overhead_s(whole, calls, calibration.op_times_s)
+        elif sweep.call_overhead_s is not None:
+            # the model's own (BatchSweep), for the sizes not timed whole
+            timing = replace(
+                timing,
+                call_overhead_s=sweep.call_overhead_s,
+                source=f"{timing.source}, per-call overhead of the sweep's first size",
+            )
+        return timing
 
     def _time_small_step(
         self,
@@ -602,12 +671,14 @@ class CalibrationTimer:
         calls: Sequence[OpCall],
         device: torch.device,
         signature: str,
+        small_s: float = SMALL_STEP_S,
     ) -> tuple[float, float, float | None, float | None] | None:
-        """The step timed whole, if it is small, has not been yet, and can be."""
+        """The step timed whole, if its calls add up to less than ``small_s``, it has not been
+        yet, and can be."""
         if self.step is None or device.type != "cpu" or signature in calibration.step_times_s:
             return None
         alone_s = sum(calibration.op_times_s.get(c.key_text) or 0.0 for c in calls)
-        if alone_s >= SMALL_STEP_S:
+        if alone_s >= small_s:
             return None
         # the clock the op times were taken by (passes/op_timing.clock)
         timed = self.step("cpu" if torch.get_num_threads() == 1 else "wall")
