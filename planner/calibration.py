@@ -415,51 +415,19 @@ def _per_class_corrected(
 
 
 class BatchSweep:
-    """What ``fit_batch`` keeps between its batch sizes: the calls of the last step priced, and
-    the model's own per-call overhead.
+    """What ``fit_batch`` keeps between its batch sizes: the calls of the last step priced.
 
     A larger batch's step makes the same calls on tensors with more rows: each call whose
     counterpart (the same occurrence of the same op, tensors grown by one ratio r:
     :func:`paired_calls`) took at least SCALE_MIN_S is priced at r times that
     (:func:`scaled_times`), corrected by the largest call of its op and size class timed
     (:func:`_per_class_corrected`), instead of being timed again, so a sweep times the calls of
-    its small batch sizes and one or two calls per op of the larger ones.
-
-    The sweep's first size is timed whole when its calls add up to less than
-    SWEEP_FIRST_STEP_S (:func:`model_call_overhead_s`): it is priced by that step, and the
-    larger sizes, whose calls are the same but for their tensors' sizes, by the per-call
-    overhead it shows instead of the stand-in chain's."""
+    its small batch sizes and one or two calls per op of the larger ones."""
 
     def __init__(self) -> None:
         self.last_calls: list[OpCall] | None = None
         # their figures (a pinned calibration object is not extended from one size to the next)
         self.last_times_s: dict[str, float | None] = {}
-        # seconds per call beyond the calls, from the first size's step timed whole (None: not
-        # timed whole; the stand-in chain's then)
-        self.call_overhead_s: float | None = None
-        self.sizes_priced = 0  # on every rank (last_calls is rank 0's)
-
-
-# In a sweep the first (smallest) size's step is timed whole if its calls add up to less than
-# this (instead of SMALL_STEP_S), and its per-call overhead prices the larger sizes: the
-# stand-in chain (``op_timing.call_overhead_s``) misses the model's own Python and autograd
-# costs around its calls, a few microseconds per call, which is 10% of a small step (GPT-ref
-# at batch 1: 5,471 calls, predicted 12% too fast on a quiet machine; batch 4 and 8 2%). Only
-# the first size, so whether a size is timed whole does not hang on the load of the moment;
-# it costs about a dozen steps of that size (plain, checkpointed and selective, warm-ups).
-SWEEP_FIRST_STEP_S = 0.5
-
-
-def model_call_overhead_s(
-    step: tuple[float, float, float | None, float | None],
-    calls: Sequence[OpCall],
-    times_s: Mapping[str, float | None],
-) -> float:
-    """Seconds per call that the plain ``step`` (``Calibration.step_times_s``: forward and
-    backward first) spends beyond its ``calls`` timed alone (``times_s``; a call priced by the
-    roofline counts 0)."""
-    alone_s = sum(times_s.get(c.key_text) or 0.0 for c in calls)
-    return max(0.0, (step[0] + step[1] - alone_s) / max(len(calls), 1))
 
 
 _SWEEP: ContextVar[BatchSweep | None] = ContextVar("planner_batch_sweep", default=None)
@@ -603,13 +571,12 @@ class CalibrationTimer:
 
         rank0 = not distributed or dist.get_rank() == 0
         calibration = path = None
-        sweep = _SWEEP.get()
-        first_in_sweep = sweep is not None and sweep.sizes_priced == 0
         if rank0:
             calibration, path = self._start(device)
             if calibration is None:
                 calibration = _measure_new(device, self.dtype)
                 self.source = "measured now"
+            sweep = _SWEEP.get()
             scaled = expected = None
             if sweep is not None and sweep.last_calls is not None:
                 pairs = paired_calls(sweep.last_calls, calls)
@@ -626,8 +593,7 @@ class CalibrationTimer:
                     c.key_text: calibration.op_times_s.get(c.key_text) for c in calls
                 }
             signature = step_signature(calls)
-            small_s = SWEEP_FIRST_STEP_S if first_in_sweep else SMALL_STEP_S
-            timed = self._time_small_step(calibration, calls, device, signature, small_s)
+            timed = self._time_small_step(calibration, calls, device, signature)
             if timed is not None:
                 steps = {**calibration.step_times_s, signature: timed}
                 calibration = replace(calibration, step_times_s=steps)
@@ -648,22 +614,7 @@ class CalibrationTimer:
         if not isinstance(self.pinned, Calibration):
             _PROCESS[calibration.key] = calibration
         self.used = calibration
-        timing = calibration.timing(f"{calibration.device}, {self.source}", signature)
-        if sweep is None:
-            return timing
-        sweep.sizes_priced += 1
-        whole = calibration.step_times_s.get(signature)
-        if first_in_sweep and whole is not None:
-            # from the calibration every rank holds, so all ranks price alike
-            sweep.call_overhead_s = model_call_overhead_s(whole, calls, calibration.op_times_s)
-        elif sweep.call_overhead_s is not None:
-            # the model's own (BatchSweep), for the sizes not timed whole
-            timing = replace(
-                timing,
-                call_overhead_s=sweep.call_overhead_s,
-                source=f"{timing.source}, per-call overhead of the sweep's first size",
-            )
-        return timing
+        return calibration.timing(f"{calibration.device}, {self.source}", signature)
 
     def _time_small_step(
         self,
@@ -671,14 +622,12 @@ class CalibrationTimer:
         calls: Sequence[OpCall],
         device: torch.device,
         signature: str,
-        small_s: float = SMALL_STEP_S,
     ) -> tuple[float, float, float | None, float | None] | None:
-        """The step timed whole, if its calls add up to less than ``small_s``, it has not been
-        yet, and can be."""
+        """The step timed whole, if it is small, has not been yet, and can be."""
         if self.step is None or device.type != "cpu" or signature in calibration.step_times_s:
             return None
         alone_s = sum(calibration.op_times_s.get(c.key_text) or 0.0 for c in calls)
-        if alone_s >= small_s:
+        if alone_s >= SMALL_STEP_S:
             return None
         # the clock the op times were taken by (passes/op_timing.clock)
         timed = self.step("cpu" if torch.get_num_threads() == 1 else "wall")

@@ -24,7 +24,6 @@ from planner.devices import profile_of_model
 from planner.fsdp import per_rank
 from planner.passes.eager import eager_graph
 from planner.passes.op_timing import CheckpointOverhead, TensorSpec, op_call
-from planner.passes.step import StepTime
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 
@@ -361,7 +360,6 @@ def test_a_sweep_times_again_a_call_priced_far_above_its_smaller_counterpart(cac
     timed by a fixed fake (time proportional to the elements read) whose first timing of each
     call at batch 4 is 3x: no timing noise, the same result every run."""
     monkeypatch.setattr(calibration, "SMALL_STEP_S", 0.0)  # no whole-step timing
-    monkeypatch.setattr(calibration, "SWEEP_FIRST_STEP_S", 0.0)
     monkeypatch.setattr(calibration, "measure_call_overhead_s", lambda device: 0.0)
     monkeypatch.setattr(
         calibration, "measure_checkpoint_overhead", lambda device: CheckpointOverhead()
@@ -434,37 +432,3 @@ def test_a_sweep_corrects_scaled_calls_per_op_and_size_class(monkeypatch):
     for c in calls:
         assert out[c.key_text] == pytest.approx(fake_time_call(c, None), rel=1e-12)
     assert out[faulted_half.key_text] == pytest.approx(1.4e-12 * 8192 * 128 * 1024)
-
-
-def test_a_sweep_prices_larger_sizes_with_the_first_sizes_own_per_call_overhead(cache, monkeypatch):
-    """The stand-in chain misses a model's own Python and autograd costs around its calls
-    (GPT-ref at batch 1 was predicted 12% fast): a sweep times its first size's step whole
-    (under SWEEP_FIRST_STEP_S) and prices the larger sizes' calls with the per-call overhead
-    that step shows beyond its calls timed alone. Fakes: 1 us per call timed alone, a 0.1 s
-    step, a stand-in overhead of 0, so the larger size's overhead is (0.1 s - calls x 1 us) /
-    calls of the first size, exactly."""
-    monkeypatch.setattr(calibration, "SMALL_STEP_S", 0.0)  # only the sweep's first size
-    monkeypatch.setattr(calibration, "measure_call_overhead_s", lambda device: 0.0)
-    monkeypatch.setattr(
-        calibration, "measure_checkpoint_overhead", lambda device: CheckpointOverhead()
-    )
-    monkeypatch.setattr(calibration, "time_call", lambda call, device, repeats=5: 1e-6)
-    monkeypatch.setattr(
-        "planner.priced.measured_step_time",
-        lambda *args, **kwargs: StepTime(0.04, 0.06),
-    )
-    seen: list[tuple[int, float, bool]] = []
-    timer_call = calibration.CalibrationTimer.__call__
-
-    def recording(self, calls, device):
-        timing = timer_call(self, calls, device)
-        seen.append((len(calls), timing.call_overhead_s, timing.step_time is not None))
-        return timing
-
-    monkeypatch.setattr(calibration.CalibrationTimer, "__call__", recording)
-    model, _ = _example()
-    planner.fit_batch(model, lambda b: _example(b)[1], 1.0, batch_sizes=[1, 2], progress=False)
-    (first_calls, first_overhead_s, first_whole), (_, overhead_s, whole) = seen
-    assert first_whole and not whole  # the first size timed whole, the second not
-    assert first_overhead_s == 0.0  # the stand-in's (unused: that step is fitted)
-    assert overhead_s == pytest.approx((0.1 - first_calls * 1e-6) / first_calls, rel=1e-9)
