@@ -207,6 +207,34 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
     return min(samples)
 
 
+def allocated_bytes(call: OpCall) -> list[int] | None:
+    """The bytes of each storage ``call`` allocates for what it returns (its outputs that its
+    schema does not alias to an argument: an in-place op's return allocates nothing), found by
+    running it on the meta device (no memory, no kernel); None where it cannot run there."""
+    leaves = [
+        torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device="meta")
+        if isinstance(x, TensorSpec)
+        else x
+        for x in call.leaves
+    ]
+    args, kwargs = tree_unflatten(leaves, call.spec)
+    try:
+        out = call.op(*args, **kwargs)
+    except Exception:  # no meta kernel, a data-dependent shape...
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    returns = call.op._schema.returns
+    if len(returns) != len(outs):  # a single Tensor[] return
+        outs = (outs,)
+    return [
+        t.untyped_storage().nbytes()
+        for ret, value in zip(returns, outs)
+        if ret.alias_info is None
+        for t in tree_flatten(value)[0]
+        if isinstance(t, torch.Tensor)
+    ]
+
+
 _OVERHEAD_S: dict[str, float] = {}
 
 

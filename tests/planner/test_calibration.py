@@ -23,7 +23,7 @@ from planner.calibration import MEASUREMENTS, Calibration, CalibrationError
 from planner.devices import profile_of_model
 from planner.fsdp import per_rank
 from planner.passes.eager import eager_graph
-from planner.passes.op_timing import CheckpointOverhead, TensorSpec
+from planner.passes.op_timing import CheckpointOverhead, TensorSpec, op_call
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 
@@ -390,3 +390,45 @@ def test_a_sweep_times_again_a_call_priced_far_above_its_smaller_counterpart(cac
     assert per_sample_s[2] <= 1.05 * per_sample_s[1], per_sample_s
     assert fit.best_batch_size == 4
     assert MEASUREMENTS["retimed"] > 0
+
+
+def test_a_sweep_corrects_scaled_calls_per_op_and_size_class(monkeypatch):
+    """A call that allocates MMAP_THRESHOLD_BYTES (32 MiB) or more is mapped fresh and
+    page-faulted on every call, as its op's smaller calls are not: the correction of scaled
+    figures times the largest call of each (op, size class), not only the op's largest. The
+    fake timer prices a matmul by its FLOPs, 1.4x for a 32 MiB output (GPT-ref's batch 32:
+    ``mm`` (8192x256)@(256x1024) timed 39.7 ms, priced 28.7 ms from the op's largest call,
+    one of its matmuls of the same FLOPs with an output of 8 MiB or less). No real kernel
+    runs: shapes only (the meta device)."""
+    mm = torch.ops.aten.mm.default
+
+    def call(m: int, k: int, n: int):
+        a = torch.empty(m, k, device="meta")
+        b = torch.empty(k, n, device="meta")
+        return op_call(mm, (a, b), {})
+
+    faulted = call(8192, 256, 1024)  # 32 MiB out: at the threshold
+    faulted_half = call(8192, 128, 1024)  # 32 MiB out, half the FLOPs
+    weight_grad = call(1024, 8192, 512)  # 2 MiB out, the op's largest (2x the FLOPs)
+
+    def fake_time_call(c, device, repeats=5):
+        (m, k), (_, n) = (x.shape for x in c.leaves if isinstance(x, TensorSpec))
+        return 1e-12 * m * k * n * (1.4 if m * n * 4 >= 32 << 20 else 1.0)
+
+    monkeypatch.setattr(calibration, "time_call", fake_time_call)
+    assert [calibration.size_class(c) for c in (faulted, faulted_half, weight_grad)] == [
+        True,
+        True,
+        False,
+    ]
+    calls = [faulted, faulted_half, weight_grad]
+    # the figures scaled linearly from a smaller batch: FLOPs at the unfaulted rate
+    scaled = {
+        c.key_text: fake_time_call(c, None) / (1.4 if c is not weight_grad else 1.0) for c in calls
+    }
+    MEASUREMENTS.clear()
+    out = calibration._per_class_corrected(scaled, calls, torch.device("cpu"))
+    assert MEASUREMENTS["ops"] == 2  # one timed call per (op, size class)
+    for c in calls:
+        assert out[c.key_text] == pytest.approx(fake_time_call(c, None), rel=1e-12)
+    assert out[faulted_half.key_text] == pytest.approx(1.4e-12 * 8192 * 128 * 1024)
