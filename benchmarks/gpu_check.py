@@ -34,6 +34,7 @@ import math
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -414,6 +415,9 @@ def _conformance_point(
         measured_step_s=m.step_time_s,
         solver=p.solver,
         regions=len(p.regions),
+        note=", ".join(
+            f"{n} {kind}" for kind, n in sorted(Counter(r.kind for r in p.regions).items())
+        ),
     )
 
 

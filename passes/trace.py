@@ -54,6 +54,18 @@ _SDPA_BACKENDS = {
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 _GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
 
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator's smallest block, and its rounding
+
+
+def allocated_bytes(t: torch.Tensor) -> int:
+    """The device memory ``t``'s storage takes: on CUDA the caching allocator rounds every
+    block up to a multiple of 512 bytes (measured: a batch-1 GPT priced unrounded came 1.6%
+    under its measured peak on an H200), elsewhere its bytes."""
+    nbytes = t.untyped_storage().nbytes()
+    if t.device.type != "cuda":
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
 
 def _grouped_mm_off_meta(mat_a: Any, mat_b: Any, *args: Any, **kwargs: Any) -> bool:
     """Whether torch's fake kernel of ``aten._grouped_mm`` would refuse a call eager runs.
@@ -256,7 +268,7 @@ class Tracker(TorchDispatchMode):
         rec = self.by_key.get(st._cdata)
         if rec is not None:
             return rec
-        rec = Storage(nbytes=st.nbytes(), node=self.node, phase=self.phase)
+        rec = Storage(nbytes=allocated_bytes(t), node=self.node, phase=self.phase)
         self.by_key[st._cdata] = rec
         self.allocated[(self.phase, self.node)].append(rec)
         if self.outside_node:
@@ -270,7 +282,8 @@ class Tracker(TorchDispatchMode):
         """Parameters, buffers and inputs: the baseline, never counted as step memory."""
         if is_tensor(t):
             st = t.untyped_storage()
-            self.by_key.setdefault(st._cdata, Storage(nbytes=st.nbytes(), node=-1, phase="ext"))
+            ext = Storage(nbytes=allocated_bytes(t), node=-1, phase="ext")
+            self.by_key.setdefault(st._cdata, ext)
 
     def _free(self, key: int, rec: Storage) -> None:
         rec.alive = False

@@ -59,6 +59,7 @@ from planner.passes.step import (
     taken_input,
     training_loss,
 )
+from planner.passes.trace import allocated_bytes
 
 METHODS = ("auto", "tracker", "cuda", "profiler")
 
@@ -486,8 +487,7 @@ def _cuda_step(
             loss = training_loss(output, loss_fn, example_input)
             del output
         log.log("loss:end")
-        # the caching allocator rounds every block up to 512 bytes
-        loss_bytes = -(-loss.untyped_storage().nbytes() // 512) * 512
+        loss_bytes = allocated_bytes(loss)
         saved_bytes = torch.cuda.memory_allocated(device) - base_bytes - loss_bytes
         log.phase = "backward"
         with amp_backward():

@@ -248,8 +248,7 @@ class _Prices:
     rule5_saves: tuple[bool, ...] | None
     after_last_save: tuple[bool, ...]
     size_bytes: tuple[int, ...]  # storage sizes in bytes, for offload transfer times
-    fwd_prefix_s: tuple[float, ...]  # forward and backward time, for offload overlap (Rule 7)
-    bwd_prefix_s: tuple[float, ...]
+    fwd_prefix_s: tuple[float, ...]  # forward time, for offload overlap (Rule 7)
     offload_bytes_per_s: float
     offload_overlap: float
     # Units each checkpoint call stashes (simulate's Rule 12), priced as held from the region's
@@ -298,11 +297,10 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         grad_after[i] = live
     out = out_bytes(graph)
     times = [graph.node_recompute_time_s(i) for i in range(n)]
-    prefix, fwd_prefix, bwd_prefix = [0.0], [0.0], [0.0]
+    prefix, fwd_prefix = [0.0], [0.0]
     for i, t_s in enumerate(times):
         prefix.append(prefix[-1] + t_s)
         fwd_prefix.append(fwd_prefix[-1] + graph.node_time_s(i))
-        bwd_prefix.append(bwd_prefix[-1] + graph.node_time_s(i, backward=True))
 
     def units(x: int) -> int:  # round up: the rounded model never under-counts
         return -(-x // unit_bytes)
@@ -337,7 +335,6 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         after_last_save=tuple(t.after_last_save for t in graph.tensors),
         size_bytes=tuple(t.size_bytes for t in graph.tensors),
         fwd_prefix_s=tuple(fwd_prefix),
-        bwd_prefix_s=tuple(bwd_prefix),
         offload_bytes_per_s=graph.offload_bytes_per_s,
         offload_overlap=graph.offload_overlap,
         stash=units(graph.region_state_bytes),
@@ -1078,7 +1075,6 @@ class _Programme:
             transfer_s = exposed_transfer_s(
                 sent_bytes,
                 p.fwd_prefix_s[j] - p.fwd_prefix_s[c],
-                p.bwd_prefix_s[j] - p.bwd_prefix_s[c],
                 p.offload_bytes_per_s,
                 p.offload_overlap,
             )

@@ -58,10 +58,10 @@ Rule 6. Selective regions keep every output of their ``saved_nodes`` (SAC caches
         each node in the region that saves it. A cache entry the recomputation never reaches
         (Rule 5 stops it first) lives until the region's backward ends.
 Rule 7. Offload regions keep what they save in host memory and bring each storage back when the
-        backward that needs it runs. Each way, the transfer hides behind up to
-        ``CostGraph.offload_overlap`` of the region's own compute in that direction (its
-        forward while copying out, its backward while prefetching back); the rest is exposed
-        step time (:func:`offload_time_s`).
+        backward that needs it runs. The copy out hides behind up to
+        ``CostGraph.offload_overlap`` of the region's own forward compute; the copy back, made
+        as the backward needs it and not ahead, is exposed; both are step time
+        (:func:`offload_time_s`).
 Rule 8. Storages ``held_to_end`` (autocast's weight copies) live from their first forward to the
         end of the step; recomputation reuses them.
 Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNorm statistics)
@@ -570,22 +570,22 @@ def offload_fetch_bytes(graph: CostGraph, start: int, stop: int) -> dict[int, in
 
 def offload_time_s(graph: CostGraph, start: int, stop: int, offloaded_bytes: float) -> float:
     """See Rule 7: the step time an offload region over nodes [start, stop) that sends
-    ``offloaded_bytes`` to host and back adds, once its transfers hide behind up to
-    ``graph.offload_overlap`` of its own forward and backward compute."""
+    ``offloaded_bytes`` to host and back adds, once its copies out hide behind up to
+    ``graph.offload_overlap`` of its own forward compute."""
     fwd_s = sum(graph.node_time_s(i) for i in range(start, stop))
-    bwd_s = sum(graph.node_time_s(i, backward=True) for i in range(start, stop))
     return exposed_transfer_s(
-        offloaded_bytes, fwd_s, bwd_s, graph.offload_bytes_per_s, graph.offload_overlap
+        offloaded_bytes, fwd_s, graph.offload_bytes_per_s, graph.offload_overlap
     )
 
 
 def exposed_transfer_s(
-    offloaded_bytes: float, fwd_s: float, bwd_s: float, bytes_per_s: float, overlap: float
+    offloaded_bytes: float, fwd_s: float, bytes_per_s: float, overlap: float
 ) -> float:
     """See Rule 7: the exposed time of ``offloaded_bytes`` sent to host at ``bytes_per_s``
-    during ``fwd_s`` of compute and brought back during ``bwd_s``, ``overlap`` of each hidden."""
+    during ``fwd_s`` of compute, ``overlap`` of it hidden, and brought back as each storage's
+    backward needs it (nothing ahead of that, so the copy back is all exposed)."""
     each_way_s = offloaded_bytes / bytes_per_s
-    return max(0.0, each_way_s - overlap * fwd_s) + max(0.0, each_way_s - overlap * bwd_s)
+    return max(0.0, each_way_s - overlap * fwd_s) + each_way_s
 
 
 def rule5_saves(graph: CostGraph) -> tuple[bool, ...] | None:

@@ -295,8 +295,9 @@ def test_offload_region_moves_saves_to_host():
 
 
 def test_offload_transfers_hide_behind_the_regions_compute_up_to_the_overlap():
-    """Rule 7: each way, up to ``offload_overlap`` of the region's compute in that direction
-    hides the transfer; only the rest is added to the step."""
+    """Rule 7: up to ``offload_overlap`` of the region's forward compute hides the copy out; the
+    copy back, made as each storage's backward needs it, is all added to the step (however long
+    the backward)."""
     graph = chain(offload_bytes_per_s=5.0, flops_per_s=1.0)  # node i's forward: FLOPS[i] s
     fwd_s = FLOPS[0] + FLOPS[1]  # the region's forward; its backward is free (bwd_flops 0)
     each_way_s = 10 / 5.0
