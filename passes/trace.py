@@ -59,8 +59,7 @@ CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator's smallest block, and its r
 
 def allocated_bytes(t: torch.Tensor) -> int:
     """The device memory ``t``'s storage takes: on CUDA the caching allocator rounds every
-    block up to a multiple of 512 bytes (measured: a batch-1 GPT priced unrounded came 1.6%
-    under its measured peak on an H200), elsewhere its bytes."""
+    block up to a multiple of 512 bytes, elsewhere its bytes."""
     nbytes = t.untyped_storage().nbytes()
     if t.device.type != "cuda":
         return nbytes
