@@ -27,6 +27,7 @@ from planner.solvers.rates import DeviceProfile
 # Datasheet peaks: (dense bf16 FLOP/s, HBM bytes/s, host link bytes/s one way). Keys are matched
 # against torch.cuda.get_device_name() as well, so the order puts the specific names first.
 _GPU_PEAKS = {
+    "h200": (989e12, 4.8e12, 64e9),  # SXM, PCIe Gen5 x16
     "h100": (989e12, 3.35e12, 64e9),  # SXM, PCIe Gen5 x16
     "a100-80gb": (312e12, 2.04e12, 32e9),  # SXM, PCIe Gen4 x16
     "a100-40gb": (312e12, 1.555e12, 32e9),
@@ -40,11 +41,11 @@ _GPU_PEAKS = {
 DERATE = 0.6
 # The meta device (planning without hardware) is priced as this GPU unless told otherwise.
 META_DEFAULT = "a100-80gb"
-# How much of an offload region's own compute its copies hide behind on a GPU: planner's
-# executor (planner/offload.py) copies on a side stream (copy engines run beside the SMs) and
-# prefetches a region's tensors as its backward starts; the share left exposed stands for the
-# ends of the region (the last saves, the first backward) and PCIe contending with HBM. An
-# assumption, not a measurement (no GPU here): set your own with DeviceProfile(...).
+# How much of an offload region's own forward compute its copies to host hide behind on a GPU:
+# planner's executor (planner/offload.py) copies out on a side stream (copy engines run beside
+# the SMs); the share left exposed stands for the region's last saves and PCIe contending with
+# HBM. (Its copies back are made at each unpack, all exposed: Rule 7.) An assumption, not a
+# measurement: set your own with DeviceProfile(...).
 GPU_OFFLOAD_OVERLAP = 0.8
 
 PROFILES: dict[str, DeviceProfile] = {

@@ -47,7 +47,7 @@ def test_own_profile_and_bad_names():
     cpu = device_profile("cpu")
     assert cpu.flops_per_s > 1e8 and cpu.bytes_per_s > 1e8
     with pytest.raises(ValueError) as info:
-        planner.plan(*gpt_ref_small_example(), mem_budget_gb=1, device="h200", form="graph")
+        planner.plan(*gpt_ref_small_example(), mem_budget_gb=1, device="b200", form="graph")
     for name in known_profiles():
         assert name in str(info.value)
     with pytest.raises(ValueError, match="flops_per_s must be a positive finite rate"):
