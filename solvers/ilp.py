@@ -551,9 +551,10 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
         pick = None if res.chosen is None else [k for k in res.chosen if k < len(x)]
         if pick is not None and not fits(graph, budget_bytes, [regions[k] for k in pick]):
             # The MILP prices neither the RNG state a CPU checkpoint call over a random node
-            # stashes (simulate's Rule 12) nor BatchNorm's buffer copies (Rule 9): its pick may exceed the budget by
-            # simulate where dp's, which prices them, fits (the small U-Net's graph form on a
-            # CPU, from 54% to 90% of eager). The warm start answers then.
+            # stashes (simulate's Rule 12) nor BatchNorm's buffer copies (Rule 9): its pick may
+            # exceed the budget by simulate where dp's, which prices them, fits (the small
+            # U-Net's graph form on a CPU, from 54% to 90% of eager). The warm start answers
+            # then.
             note += ", its pick over the budget by simulate (Rules 9 and 12 unpriced)"
             pick, over = None, [regions[k] for k in pick]
         if pick is not None and (upper is None or cost < upper):
