@@ -23,9 +23,9 @@ from planner.solvers.simulate import simulate
 from tests.models_zoo import small_unet_example
 
 # compare()'s default budget fractions of the eager peak, and notebook 02's, and more between 0.6
-# and 0.9: on CPU each checkpoint call stashes a 5056-byte RNG state (simulate's Rule 12), which
-# on these tiny U-Nets (eager peaks under 1 MB) puts the fractions below 0.6 out of every
-# solver's reach.
+# and 0.9: on CPU a checkpoint call over an op that draws random numbers stashes a 5056-byte RNG
+# state (simulate's Rule 12); while every call did, that put the fractions below 0.6 out of every
+# solver's reach on these tiny U-Nets (eager peaks under 1 MB).
 FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
 
 
