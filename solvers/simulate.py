@@ -30,7 +30,9 @@ Rule 3. Nested arguments. The arguments of a region nested in a recomputation ar
         level down for an argument the nested region passes on: its recomputation saves it
         again for each region nested in it that reads it, so a storage read two or more
         levels down lives until the last of those recomputations ends (or, when a node in one
-        of them saves it, until that region's backward ends).
+        of them saves it, until that region's backward ends). A nested region in which
+        nothing saves never recomputes (Rule 4), so nothing keeps its arguments: they live as
+        the recomputation's own variables (to their last reader, or, past a stop, to its end).
 Rule 4. Backward runs in reverse node order. A region's forward runs again when backward first
         unpacks something the region saved: at its last node that saves for backward (at any
         depth: a nested region's saving node recomputes the nested region, which unpacks its
@@ -509,7 +511,12 @@ class _Replay:
         """See Rule 3: storage ``t`` is an argument of ``region``, nested in a recomputation,
         and nothing in ``region`` saves it. It lives until ``region``'s own recomputation ends;
         that recomputation saves it again for each region nested in it that reads it (their
-        arguments), and so on down."""
+        arguments), and so on down. A region in which nothing saves never recomputes (Rule 4):
+        nothing keeps its arguments beyond this recomputation's own variables."""
+        if self.saves is not None and trigger_node(self.saves, region.start, region.stop) < (
+            region.start
+        ):
+            return
         self._hold(key, t.size_bytes, 1)
         self._later(region, ("recompute_end",), key)
         for kid in self.children(region):

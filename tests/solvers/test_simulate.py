@@ -456,3 +456,29 @@ def test_a_recomputation_stopping_at_a_nested_region_holds_what_comes_after_and_
     # it), t2 (the nested region's argument, Rule 3) and the two first-forward stashes stay;
     # the nested recomputation adds t3 and its own fork_rng copy.
     assert sim.timeline[10] == ("recompute:n3", 50 + 20 + 30 + 8 + 40 + 4)
+
+
+def test_a_nested_region_that_saves_nothing_keeps_no_arguments_past_its_parents_recomputation():
+    # n3 saves nothing: its backward runs before the outer region recomputes (Rule 4), and the
+    # region nested over it never recomputes. The outer recomputation stops as that nested
+    # call saves its argument t2 (Rule 5); t2 then dies with the recomputation (Rule 3: nothing
+    # keeps it for a recomputation that never comes). It was held to the end of the step.
+    nodes = (
+        Node("n0"),
+        Node("n1", (0,), saves_for_backward=True),
+        Node("n2", (1,), saves_for_backward=True),
+        Node("n3", (2,)),
+    )
+    tensors = (
+        Tensor("t0", 10, producer=0, users=(1,), saved_by=(1,), grad_bytes=10),
+        Tensor("t1", 20, 1, users=(2,), saved_by=(2,), grad_bytes=20, after_last_save=True),
+        Tensor("t2", 30, 2, users=(3,), grad_bytes=30, after_last_save=True),
+        Tensor("t3", 40, 3, grad_bytes=40, is_output=True, after_last_save=True),
+    )
+    graph = CostGraph(nodes=nodes, tensors=tensors)
+    nested = run([Region(0, 4), Region(3, 4, 1)], graph).timeline
+    assert ("recompute:n2", 30 + 10 + 20 + 30) in nested  # t2 made: the stop is past n2
+    flat = run([Region(0, 4)], graph).timeline
+    assert [e for e in nested if e[0].startswith("bwd:")] == [
+        e for e in flat if e[0].startswith("bwd:")
+    ]
