@@ -76,6 +76,7 @@ def cost_graph(
                 state_saved_bytes=state_saved_bytes(tracker, i),
                 saves_for_backward=i in tracker.allocated_at_last_save,
                 fwd_calls=r.fwd_calls,
+                draws_random=i in tracker.random_nodes,
             )
         )
     # Which fused-attention kernel the prices assume: math materialises the S x S scores,
@@ -156,7 +157,8 @@ def device_fields(device: torch.device, rates: DeviceProfile) -> dict[str, Any]:
 
     ``region_state_bytes`` (simulate's Rule 12): ``preserve_rng_state`` stashes
     ``torch.get_rng_state()``, a CPU tensor, device memory only on the CPU; CUDA's generator
-    states are CPU tensors too, so 0 there (and on meta, which plans for an accelerator).
+    states are CPU tensors too, so 0 there (and on meta, which plans for an accelerator). Only
+    regions over a node that draws random numbers (``Node.draws_random``) stash it.
     Offloading (Rule 7) as the profile says: its host link, and how far transfers overlap."""
     stash = torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0
     return {

@@ -15,8 +15,9 @@ Why it trains exactly like the original:
 - Parameters and buffers stay where they were: the parent reads them with its own ``get_attr``
   nodes and passes them into the region as arguments, so the new module shares the model's
   Parameter objects and its ``state_dict()`` keys are unchanged.
-- RNG: ``preserve_rng_state`` replays dropout's draws on recompute; autocast state is replayed by
-  checkpoint itself.
+- RNG: ``preserve_rng_state`` replays dropout's draws on recompute, for the regions that draw
+  random numbers (``NamedRegion.preserve_rng_state``; the others neither stash nor restore the
+  RNG state, which nothing in them reads); autocast state is replayed by checkpoint itself.
 - State written in forward (BatchNorm running statistics, ``num_batches_tracked``, any buffer an
   in-place op writes): the forward pass updates the real buffers once; every recompute runs on
   fresh copies of the values they held before the forward pass, so the recomputed outputs are the
@@ -67,7 +68,11 @@ class NamedRegion:
 
     ``depth`` 0 is outermost; a region of depth d+1 lies inside one of depth d. ``kind`` is
     'recompute', 'selective' (keep the outputs of ``saved_nodes``, recompute the rest) or
-    'offload' (keep what backward needs in host memory).
+    'offload' (keep what backward needs in host memory). ``preserve_rng_state``: its
+    checkpoint stashes the RNG state and replays it on recomputation, as a region over an op
+    that draws random numbers (dropout) must; planning sets it from the priced step
+    (``CostGraph.preserves_rng_state``, simulate's Rule 12), so a region without one neither
+    stashes nor is priced for it. True when not known (the safe side).
     """
 
     name: str
@@ -75,6 +80,7 @@ class NamedRegion:
     depth: int = 0
     kind: str = "recompute"
     saved_nodes: tuple[str, ...] = ()
+    preserve_rng_state: bool = True
 
 
 # --------------------------------------------------------------------------- names
@@ -194,6 +200,7 @@ class CheckpointRegion(nn.Module):
 
     ``state_inputs``: argument positions holding buffers the step writes (BatchNorm running
     statistics...); ``state_buffers``: such buffers of leaf modules called inside ``body``.
+    ``preserve_rng_state``: checkpoint's own (``NamedRegion.preserve_rng_state``).
     """
 
     def __init__(
@@ -202,12 +209,14 @@ class CheckpointRegion(nn.Module):
         kind: str = "recompute",
         state_inputs: tuple[int, ...] = (),
         state_buffers: tuple[str, ...] = (),
+        preserve_rng_state: bool = True,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "body", body)
         self.kind = kind
         self.state_inputs = state_inputs
         self.state_buffers = state_buffers
+        self.preserve_rng_state = preserve_rng_state
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}"
@@ -225,12 +234,14 @@ class CheckpointRegion(nn.Module):
                 fn,
                 *args,
                 use_reentrant=False,
-                preserve_rng_state=True,
+                preserve_rng_state=self.preserve_rng_state,
                 context_fn=functools.partial(
                     create_selective_checkpoint_contexts, _selective_policy
                 ),
             )
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(
+            fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state
+        )
 
     def _once(self, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         """The body, but every call after the first runs on copies of the pre-step state.
@@ -551,7 +562,9 @@ class _Context:
             if n.op == "call_module" and n.target not in body_modules:
                 body_modules[str(n.target)] = self.modules[str(n.target)]
         body_gm = fx.GraphModule(body_modules, body, class_name=r.name)
-        owner[r.name] = CheckpointRegion(body_gm, r.kind, state_inputs, state_buffers)
+        owner[r.name] = CheckpointRegion(
+            body_gm, r.kind, state_inputs, state_buffers, r.preserve_rng_state
+        )
 
         call = graph.create_node(
             "call_module", r.name, tuple(env[a] for a in inputs), {}, name=r.name

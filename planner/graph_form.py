@@ -10,7 +10,7 @@ part of the plan file; :func:`load` re-captures the model and rebuilds a saved p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -143,6 +143,18 @@ def named_regions(gm: torch.fx.GraphModule, graph: CostGraph, schedule: Schedule
     return regions
 
 
+def with_rng_state(graph: CostGraph, regions: list[Region]) -> list[Region]:
+    """``regions`` (of ``graph``'s nodes) each preserving its RNG state exactly when a node in
+    it draws random numbers (``CostGraph.preserves_rng_state``), as simulate prices it (Rule
+    12): a plan read from a file takes it from the graph captured now, not from the file."""
+    index = {node.name: i for i, node in enumerate(graph.nodes)}
+    out = []
+    for r in regions:
+        start, stop = index[r.nodes[0]], index[r.nodes[-1]] + 1
+        out.append(replace(r, preserve_rng_state=graph.preserves_rng_state(start, stop)))
+    return out
+
+
 def build_plan(
     gm: torch.fx.GraphModule,
     graph: CostGraph,
@@ -157,8 +169,12 @@ def build_plan(
     (``baseline_peak_bytes``: as for ``priced.predictions``)."""
     simulation = simulate(graph, schedule)  # also validates the schedule against the graph
     regions = named_regions(gm, graph, schedule) if regions is None else regions
+    regions = with_rng_state(graph, regions)
     # the rewrite takes the regions as passes/ knows them (passes never import planner)
-    named = [NamedRegion(r.name, r.nodes, r.depth, r.kind, r.saved_nodes) for r in regions]
+    named = [
+        NamedRegion(r.name, r.nodes, r.depth, r.kind, r.saved_nodes, r.preserve_rng_state)
+        for r in regions
+    ]
     return Plan(
         regions=tuple(regions),
         target=GraphTarget(rewrite(gm, named), graph_fingerprint(gm)),

@@ -14,7 +14,8 @@ in turn as nn.Sequential does, each run as one checkpointed call exactly like a 
 Applying a plan replaces each region module's ``forward`` by an instance attribute
 (``passes/forward_wrapper.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
 module.training``, runs the original forward under non-reentrant
-``torch.utils.checkpoint.checkpoint`` (RNG state preserved), and otherwise calls it plainly:
+``torch.utils.checkpoint.checkpoint`` (RNG state preserved where the region draws random
+numbers: ``Region.preserve_rng_state``), and otherwise calls it plainly:
 ``model.eval()`` and ``torch.no_grad()`` run the model as it was. Nested regions nest
 checkpoints because the child's forward is wrapped too.
 
@@ -261,14 +262,16 @@ class _RegionForward(ForwardWrapper):
         body, tensors = self._positional(module, args, kwargs)
         if self.region.state_buffers:
             body = _updating_once(module, self.region.state_buffers, body)
+        # RNG state stashed and replayed only where the region draws random numbers (Rule 12)
+        preserve = self.region.preserve_rng_state
         if kind != "selective":
-            return checkpoint(body, *tensors, use_reentrant=False, preserve_rng_state=True)
+            return checkpoint(body, *tensors, use_reentrant=False, preserve_rng_state=preserve)
         if torch.compiler.is_compiling():
             return checkpoint(
                 body,
                 *tensors,
                 use_reentrant=False,
-                preserve_rng_state=True,
+                preserve_rng_state=preserve,
                 context_fn=functools.partial(_traced_contexts, self.key),
             )
         policy = _Policy(self)
@@ -276,7 +279,7 @@ class _RegionForward(ForwardWrapper):
             body,
             *tensors,
             use_reentrant=False,
-            preserve_rng_state=True,
+            preserve_rng_state=preserve,
             context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
         )
         if not policy.diverged and policy.seen != len(self.region.ops):

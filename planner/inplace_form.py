@@ -243,6 +243,7 @@ def build_inplace_plan(
                 keeps=tuple(eg.op_key(i, r.start) for i in saved),
                 ops=tuple(eg.op_sequence(r.start, r.stop)),
                 state_buffers=eg.state_buffers.get(path, ()),
+                preserve_rng_state=graph.preserves_rng_state(r.start, r.stop),
             )
         )
     target = InplaceTarget(

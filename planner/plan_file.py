@@ -57,6 +57,7 @@ def _region_json(region: Region, form: str) -> dict[str, Any]:
         "depth": region.depth,
         "kind": region.kind,
         "saved_nodes": list(region.saved_nodes),
+        "preserve_rng_state": region.preserve_rng_state,
     }
     if form == "inplace":  # under the keys in-place files have always had
         entry |= {
@@ -118,6 +119,8 @@ def read_regions(body: Mapping[str, Any]) -> tuple[Region, ...]:
             keeps=tuple((str(op), int(k)) for op, k in r.get("keeps", ())),
             ops=tuple(str(op) for op in r.get("ops", ())),
             state_buffers=tuple(str(b) for b in r.get("state_buffers", ())),
+            # files saved before it was recorded: every region preserved, as then
+            preserve_rng_state=bool(r.get("preserve_rng_state", True)),
         )
         for r in body["regions"]
     )

@@ -47,6 +47,11 @@ class Node:
     allocation (a linear's saved input, before its bias gradient is summed).
     ``saves_for_backward``: its forward saves something for backward (an activation, a
     parameter or an input); when no node says so, ``Tensor.saved_by`` stands in.
+    ``draws_random``: its forward dispatches an op that draws from the RNG (one tagged
+    ``torch.Tag.nondeterministic_seeded``: dropout in training, ``rand*``, ``bernoulli``...).
+    Only a checkpoint over such a node needs its RNG state back on recomputation
+    (``preserve_rng_state``), so only it stashes one (``CostGraph.region_stash_bytes``,
+    simulate's Rule 12).
     """
 
     name: str
@@ -65,6 +70,7 @@ class Node:
     state_saved_bytes: int = 0
     saves_for_backward: bool = False
     fwd_calls: int = 1  # aten ops its forward dispatches (each seen by a selective policy)
+    draws_random: bool = False
     # Measured runtimes of the node's forward / backward on the device (passes/op_timing.py);
     # None: priced by the roofline.
     fwd_time_s: float | None = None
@@ -176,9 +182,11 @@ class CostGraph:
     # Buffers held outside autograd at fixed points of the step (FSDP2's, per rank); the
     # budget's baseline is what is allocated before the step, so these count.
     buffer_changes: tuple[BufferChange, ...] = ()
-    # What each checkpoint region's call stashes to restore on recomputation, in device bytes
+    # What a checkpoint region's call stashes to restore on recomputation, in device bytes
     # (torch.utils.checkpoint's preserve_rng_state: the CPU generator's state, 5056 bytes on
-    # the CPU; on CUDA the device RNG states are CPU tensors, so 0). See simulate's Rule 12.
+    # the CPU; on CUDA the device RNG states are CPU tensors, so 0), when the region needs it:
+    # only regions over a node that draws random numbers (region_stash_bytes). See simulate's
+    # Rule 12.
     region_state_bytes: int = 0
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -208,6 +216,30 @@ class CostGraph:
         if kind == "selective":
             overhead_s += calls[stop] - calls[start]
         return overhead_s
+
+    def preserves_rng_state(self, start: int, stop: int) -> bool:
+        """Whether a checkpoint over nodes [start, stop) runs with ``preserve_rng_state``: a
+        node in it, at any depth, draws random numbers (``Node.draws_random``), so its
+        recomputation must replay the same draws. The one fact both application paths
+        (``passes/rewrite.py``, ``planner/inplace.py``) and every price (simulate's Rule 12)
+        follow."""
+        prefix = self._random_prefix
+        return prefix[stop] > prefix[start]
+
+    def region_stash_bytes(self, start: int, stop: int) -> int:
+        """See simulate's Rule 12: the device bytes a checkpoint call over nodes [start, stop)
+        stashes (and its recomputation copies once more): ``region_state_bytes`` when it
+        preserves its RNG state (:meth:`preserves_rng_state`), else 0."""
+        if not self.region_state_bytes or not self.preserves_rng_state(start, stop):
+            return 0
+        return self.region_state_bytes
+
+    @cached_property
+    def _random_prefix(self) -> tuple[int, ...]:
+        prefix = [0]
+        for n in self.nodes:
+            prefix.append(prefix[-1] + n.draws_random)
+        return tuple(prefix)
 
     @cached_property
     def _overhead_prefix(self) -> tuple[tuple[float, ...], tuple[float, ...]]:

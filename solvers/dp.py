@@ -18,11 +18,11 @@ recomputed to their end, their cache handed back as simulate's Rule 6 says
 (``simulate.region_peak``),
 and three rules only estimated graphs use, which dp does not model exactly, so its prices may
 differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
-copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region, nested ones
-approximately). :func:`solve_dp` replays its answer through ``simulate`` and never returns a
-plan above the budget by it. ``Schedule.gap`` is 0.0 only when the space was every interval of
-the uncoarsened graph on a 1-byte grid and the graph uses none of those three rules; the note
-names the space searched.
+copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region over a node that
+draws random numbers, nested ones approximately). :func:`solve_dp` replays its answer through
+``simulate`` and never returns a plan above the budget by it. ``Schedule.gap`` is 0.0 only when
+the space was every interval of the uncoarsened graph on a 1-byte grid and the graph uses none of
+those three rules; the note names the space searched.
 
 With ``DPOptions.offload`` (by default: when ``CostGraph.host_link``, a GPU's) the space also
 holds top-level offload regions with nothing nested in them (simulate's Rule 7: saves sent to
@@ -251,11 +251,20 @@ class _Prices:
     fwd_prefix_s: tuple[float, ...]  # forward time, for offload overlap (Rule 7)
     offload_bytes_per_s: float
     offload_overlap: float
-    # Units each checkpoint call stashes (simulate's Rule 12), priced as held from the region's
-    # start to its backward's end, plus fork_rng's copy at each forward event of a
+    # Units each checkpoint call that preserves its RNG state stashes (simulate's Rule 12: a
+    # region over a node that draws random numbers, :meth:`stash_of`), priced as held from the
+    # region's start to its backward's end, plus fork_rng's copy at each forward event of its
     # recomputation; nested calls' stashes in the first forward are not carried to the root,
     # and a recomputation's nested stashes are held past it: not exact there.
     stash: int = 0
+    # whether a region over [start, stop) preserves its RNG state (CostGraph's)
+    preserves: Callable[[int, int], bool] = lambda start, stop: True
+    random: tuple[bool, ...] = ()  # per node: it draws random numbers
+
+    def stash_of(self, start: int, stop: int) -> int:
+        """Units a checkpoint over nodes [start, stop) stashes: ``stash`` when it preserves its
+        RNG state (a node in it draws random numbers), else 0."""
+        return self.stash if self.stash and self.preserves(start, stop) else 0
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
@@ -338,6 +347,8 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
         offload_bytes_per_s=graph.offload_bytes_per_s,
         offload_overlap=graph.offload_overlap,
         stash=units(graph.region_state_bytes),
+        preserves=graph.preserves_rng_state,
+        random=tuple(nd.draws_random for nd in graph.nodes),
     )
 
 
@@ -369,7 +380,9 @@ class _Programme:
     recomputed); ``crossing`` is a sorted tuple of (tensor, kept) pairs; ``whole_ok`` is False
     only at the start of a region context, where a child equal to the region is pointless.
     Inside a region, bytes are counted relative to the gradient bytes live while it is
-    recomputed, which is what lets equal blocks share states.
+    recomputed, which is what lets equal blocks share states. A region context also carries
+    ``ctx_stash``, the units of fork_rng's copy its recomputation holds (simulate's Rule 12:
+    its region draws random numbers), part of its states' keys.
     """
 
     def __init__(
@@ -426,7 +439,7 @@ class _Programme:
         self._interned: dict[tuple, int] = {}
         # the last node reading or saving each storage (its producer when none does)
         self.last_use = [ns[-1] if ns else p.producer[t] for t, ns in enumerate(p.needers)]
-        self._wmax: dict[tuple[int, int, bool, int], list[int]] = {}
+        self._wmax: dict[tuple[int, int, bool, int, int], list[int]] = {}
         self._end = _value_array(self.size, 0.0)
         self._keys: dict[tuple, int] = {}
         # Memos of what does not depend on the crossing state: a scan keeps hundreds of storages
@@ -578,11 +591,12 @@ class _Programme:
                     inner.append((t, ARG))
         return held, tuple(sorted(inner)), args
 
-    def fwd_peaks(self, c: int, b: int, root: bool, upto: int) -> list[int]:
+    def fwd_peaks(self, c: int, b: int, root: bool, upto: int, ctx_stash: int = 0) -> list[int]:
         """Running max over i in [c, upto) of the bytes produced from c on and alive at i's
         forward (plus i's working set), with the context ending at ``b``: a storage is alive
-        from its producer to its last need (:meth:`last_need`), summed as a difference array."""
-        key = (c, b, root, upto)
+        from its producer to its last need (:meth:`last_need`), summed as a difference array.
+        ``ctx_stash``: units of fork_rng's copy the recomputation holds (Rule 12)."""
+        key = (c, b, root, upto, ctx_stash)
         got = self._wmax.get(key)
         if got is None:
             lo, hi = np.searchsorted(self._t_producer, (c, upto))
@@ -594,7 +608,7 @@ class _Programme:
             np.add.at(diff, np.minimum(last + 1, upto) - c, -size)
             alive = np.cumsum(diff[:-1]) + self._fwd_temp[c:upto]
             # the first forward's held storages; a recomputation's fork_rng copy (Rule 12)
-            alive += self._held_fwd[c:upto] if root else self.p.stash
+            alive += self._held_fwd[c:upto] if root else ctx_stash
             got = self._wmax[key] = np.maximum.accumulate(alive).tolist()
         return got
 
@@ -608,7 +622,7 @@ class _Programme:
         # See simulate's Rule 2: the frame holds the arguments and the stash to the backward
         # of the region's first saving node (none when nothing in it saves)
         frame = self.first_save[c] < j
-        stash = p.stash if frame else 0
+        stash = p.stash_of(c, j) if frame else 0
         args = sum(p.size[t] for t, kept in crossing if not kept and self.needed_in(t, c, j))
         fwd_own, inner, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep, args)
         fwd = sum(p.size[t] for t, _ in crossing) + fwd_own
@@ -661,7 +675,7 @@ class _Programme:
                 if t not in cached_set:
                     end = self.last_need(t, b, root)
                     ends[end] = ends.get(end, 0) + p.size[t]
-            fwd = max(fwd, alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash)
+            fwd = max(fwd, alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash_of(c, j))
             alive -= ends.pop(i, 0)
         # Recomputation (kept nodes skipped, their cache handed back as it reaches them: Rule
         # 6, up to where Rule 5 stops it) and backward, relative to the gradients then.
@@ -670,8 +684,9 @@ class _Programme:
             reached = self.last_save[j] if self.last_save[j] >= c else -1
         trigger = max(reached, c - 1) if self.early_stop else None  # Rule 4
         first = self.first_save[c]
-        frame = (first, args + p.stash) if first < j else None  # Rule 2
-        inner = region_peak(p, c, j, keep_set, reached, p.stash, trigger, frame)
+        stash = p.stash_of(c, j)  # Rule 12
+        frame = (first, args + stash) if first < j else None  # Rule 2
+        inner = region_peak(p, c, j, keep_set, reached, stash, trigger, frame)
         inner -= p.grad_after[j]
         own_kept, own_nxt = 0, []
         for i in range(c, j):
@@ -742,6 +757,7 @@ class _Programme:
                 self.is_bound[i],
                 self._spans_at(i, b),
                 self.early_stop and p.rule5_saves[i],
+                bool(p.stash) and p.random[i],  # Rule 12: its regions stash
                 tuple(self._tensor_sig(t, i, b) for t in p.produced[i]),
                 nxt,
             )
@@ -754,7 +770,9 @@ class _Programme:
             return ()
         return tuple(j - b for j in self.span_ends.get(i, ()) if j <= b)
 
-    def key(self, c, b, crossing, root, whole_ok, depth, credit: Credit = None) -> int | None:
+    def key(
+        self, c, b, crossing, root, whole_ok, depth, credit: Credit = None, ctx_stash: int = 0
+    ) -> int | None:
         """The state's memo key (None at the context's end): states with equal descriptions
         (:meth:`_key`) share one. A crossing is a long tuple and Python does not cache a
         tuple's hash, so each description is hashed once here and stands for an int after."""
@@ -763,19 +781,19 @@ class _Programme:
         d = depth if self.max_depth is not None else 0
         if credit is not None and (c >= credit[0] or not credit[1]):
             credit = None  # no backward before its node left in this context
-        where = (c, b, crossing, root, whole_ok, d, credit)
+        where = (c, b, crossing, root, whole_ok, d, credit, ctx_stash)
         got = self._keys.get(where)
         if got is None:
-            desc = self._key(c, b, crossing, root, whole_ok, d, credit)
+            desc = self._key(c, b, crossing, root, whole_ok, d, credit, ctx_stash)
             got = self._keys[where] = self._ids.setdefault(desc, len(self._ids))
         return got
 
-    def _key(self, c, b, crossing, root, whole_ok, d, credit):
+    def _key(self, c, b, crossing, root, whole_ok, d, credit, ctx_stash):
         if root:
             return ("root", c, crossing, d)
         cross = tuple((self._tensor_sig(t, c, b), kept) for t, kept in crossing)
         lead = None if credit is None else (credit[0] - b, credit[1])
-        return (self.suffix_id(c, b), cross, whole_ok, d, self.trig_grad[b], lead)
+        return (self.suffix_id(c, b), cross, whole_ok, d, self.trig_grad[b], lead, ctx_stash)
 
     # -- the recursion -----------------------------------------------------------------------
     def step(
@@ -787,12 +805,14 @@ class _Programme:
         partial: bool = False,
         offload: tuple[int, int] | None = None,
         credit: Credit = None,
+        ctx_stash: int = 0,
     ):
         """Node i unchecked: (bytes its events need, bytes it leaves kept, crossing after).
         ``partial``: a recomputation stopping at i, after its last save (Rule 5), so without
         what i allocates after it. ``offload``: i lies in an offload region over those nodes,
         which sends what i saves of the storages made inside it to host, and brings it back
-        for i's backward (Rule 7). ``credit``: see :data:`Credit`."""
+        for i's backward (Rule 7). ``credit``: see :data:`Credit`. ``ctx_stash``: units of
+        fork_rng's copy the context's recomputation holds (Rule 12; 0 at the root)."""
         p = self.p
         own, saves = p.produced[i], p.saves[i]
         fetched = 0
@@ -803,7 +823,7 @@ class _Programme:
             own = tuple(t for t in own if not p.after_last_save[t])
         fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
         # a recomputation runs with fork_rng's copy of the stash it restored (Rule 12)
-        fwd += p.held_fwd[i] if root else p.stash + self.trig_grad[b]  # Rule 4
+        fwd += p.held_fwd[i] if root else ctx_stash + self.trig_grad[b]  # Rule 4
         bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i] + fetched
         bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
         bwd += sum(p.size[t] for t in own if t in saves)
@@ -836,6 +856,7 @@ class _Programme:
         root: bool,
         last_save: int,
         credit: Credit = None,
+        ctx_stash: int = 0,
     ) -> tuple[int, int, tuple, int | None]:
         """Nodes [c, stop) unchecked, one :meth:`step` after another: (bytes their events need,
         bytes they leave kept, crossing after, and when ``last_save`` lies among them the
@@ -853,13 +874,14 @@ class _Programme:
             saves = p.saves[i]
             if i == last_save:
                 here = tuple(sorted(cross.items()))
-                more, kept_more, after = self.step(i, b, here, root, True, None, credit)
+                more, kept_more, after = self.step(i, b, here, root, True, None, credit, ctx_stash)
                 kept_more += sum(p.size[t] for t, kept in after if kept is True)
                 # Rule 4: the nodes after the last save ran their backward before it
                 tail = self.bwd_max(i + 1, b)
                 stopped = max(need, kept_bytes + more, tail)
             fwd = cross_bytes + self.own_bytes[i] + p.fwd_temp[i]
-            fwd += p.held_fwd[i] if root else self.trig_grad[b]  # Rule 4
+            # a recomputation runs with fork_rng's copy of the stash it restored (Rule 12)
+            fwd += p.held_fwd[i] if root else ctx_stash + self.trig_grad[b]  # Rule 4
             bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
             bwd += held_bytes + self.own_saved_bytes[i]
             if credit is not None and i < credit[0]:
@@ -905,10 +927,12 @@ class _Programme:
         whole_ok: bool,
         depth: int,
         credit: Credit = None,
+        ctx_stash: int = 0,
     ) -> np.ndarray:
         """``V[m]``: least recompute time from cut c to the context's end within m units, for
         the state whose :meth:`key` is ``key`` (callers keep the key: the choices they record
-        name the state by it)."""
+        name the state by it). ``ctx_stash``: units of fork_rng's copy the context's
+        recomputation holds (Rule 12: its region's :meth:`_Prices.stash_of`; 0 at the root)."""
         if key is None:
             return self._end
         got = self.memo.get(key)
@@ -927,7 +951,9 @@ class _Programme:
         last_save = self.last_save[b] if stopping else b
         # Nodes up to the next boundary run unchecked in this context.
         stop = min(self.next_bound[c], b)
-        need, kept_bytes, nxt, stopped = self.run(c, stop, b, crossing, root, last_save, credit)
+        need, kept_bytes, nxt, stopped = self.run(
+            c, stop, b, crossing, root, last_save, credit, ctx_stash
+        )
         if stopped is not None and stopped < size:
             # See simulate's Rule 5: the recomputation stops after node last_save's last save;
             # the nodes after it save nothing and do not run again, only their backward.
@@ -941,8 +967,8 @@ class _Programme:
                 choice[stopped:] = len(options) - 1
                 best[stopped:] = 0.0
         if need < size:
-            rest_key = self.key(stop, b, nxt, root, True, depth, credit)
-            rest = self.value_at(rest_key, stop, b, nxt, root, True, depth, credit)
+            rest_key = self.key(stop, b, nxt, root, True, depth, credit, ctx_stash)
+            rest = self.value_at(rest_key, stop, b, nxt, root, True, depth, credit, ctx_stash)
             v = _shifted(rest, kept_bytes)[need:] + (run_s(stop) - run_s(c))
             tail = best[need:]  # below the need nothing fits
             better = v < tail
@@ -954,14 +980,15 @@ class _Programme:
         if self.max_depth is None or depth < self.max_depth:
             cross_bytes = sum(p.size[t] for t, _ in crossing)
             ends = self.region_ends(c, b)
-            peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c)
+            peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c, ctx_stash)
             survivors = self.survivors(c, b, root, ends)
             if ends:
                 crossing_kept, unread, info = self.crossing_info(c, b, crossing, root, ends[-1])
             for j in ends:
                 if j == b and not whole_ok:
                     break
-                fwd = cross_bytes + peaks[j - 1 - c] + p.stash
+                child_stash = p.stash_of(c, j)  # Rule 12: none unless it preserves
+                fwd = cross_bytes + peaks[j - 1 - c] + child_stash
                 fwd += 0 if root else self.trig_grad[b]  # Rule 4
                 if fwd >= size and not stopping:
                     break  # the forward working set only grows with j
@@ -970,13 +997,15 @@ class _Programme:
                 # and its stash to the backward of its first saving node; no frame when nothing
                 # in it saves. In a recomputation, Rules 3 and 12 (unchanged by the frame).
                 frame = not root or self.first_save[c] < j
-                stash = p.stash if frame else 0
+                stash = child_stash if frame else 0
                 inner_credit = credit if credit is not None and c < credit[0] else None
                 if not frame:
                     held -= args  # what only the frame would have held
                 elif root and c < self.first_save[c]:
                     inner_credit = (self.first_save[c], args + stash)
-                inner_key = self.key(c, j, inner_crossing, False, False, depth + 1, inner_credit)
+                inner_key = self.key(
+                    c, j, inner_crossing, False, False, depth + 1, inner_credit, child_stash
+                )
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
                 inner_shift += stash  # its own stash, to its backward's end
                 if stopping and last_save < j:
@@ -984,7 +1013,15 @@ class _Programme:
                     # arguments), so the recomputation stops before it; the nodes after it run
                     # only their backward, with the child's arguments still alive (Rule 3).
                     inner = self.value_at(
-                        inner_key, c, j, inner_crossing, False, False, depth + 1, inner_credit
+                        inner_key,
+                        c,
+                        j,
+                        inner_crossing,
+                        False,
+                        False,
+                        depth + 1,
+                        inner_credit,
+                        child_stash,
                     )
                     v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
                     # Rule 4: the nodes after the child run their backward before this
@@ -1003,7 +1040,15 @@ class _Programme:
                     for keep in sorted(keeps):
                         best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
                 inner = self.value_at(
-                    inner_key, c, j, inner_crossing, False, False, depth + 1, inner_credit
+                    inner_key,
+                    c,
+                    j,
+                    inner_crossing,
+                    False,
+                    False,
+                    depth + 1,
+                    inner_credit,
+                    child_stash,
                 )
                 if inner[-1] == INF:
                     continue
@@ -1020,8 +1065,8 @@ class _Programme:
                         # input too, past this recomputation's end (Rule 3)
                         nxt.append((t, kept is True or (frame and need_at < j)))
                 nxt = tuple(sorted(nxt))
-                rest_key = self.key(j, b, nxt, root, True, depth, credit)
-                rest = self.value_at(rest_key, j, b, nxt, root, True, depth, credit)
+                rest_key = self.key(j, b, nxt, root, True, depth, credit, ctx_stash)
+                rest = self.value_at(rest_key, j, b, nxt, root, True, depth, credit, ctx_stash)
                 if rest[-1] == INF:
                     continue
                 # only budgets from the forward's need up (below it nothing fits): the same
@@ -1376,7 +1421,7 @@ def _prices_exactly(graph: CostGraph) -> bool:
     return not (
         any(nd.state_bytes for nd in graph.nodes)
         or any(t.freed_after > t.producer for t in graph.tensors)
-        or graph.region_state_bytes
+        or graph.region_stash_bytes(0, len(graph.nodes))
     )
 
 

@@ -34,10 +34,11 @@ Backends: ``scipy.optimize.milp`` (HiGHS, default) and pulp (CBC). A time limit 
 search; the gap is reported in Schedule.gap, and on a timeout without a solution ``dp`` answers.
 On large graphs the candidates are the intervals ``dp`` uses (short spans plus coarse cuts).
 
-Not priced: the RNG state each checkpoint call stashes on a CPU (simulate's Rule 12) and the
-buffer copies of regions that write BatchNorm statistics (Rule 9). On graphs with them the MILP
-may pick a schedule over the budget by ``simulate``; the warm start (dp's, depth 1, which prices
-them) then answers, and the note says so.
+Not priced: the RNG state a checkpoint call over a node that draws random numbers stashes on a
+CPU (simulate's Rule 12; a region without one stashes nothing) and the buffer copies of regions
+that write BatchNorm statistics (Rule 9). On graphs with them the MILP may pick a schedule over
+the budget by ``simulate``; the warm start (dp's, depth 1, which prices them) then answers, and
+the note says so.
 """
 
 from __future__ import annotations
@@ -549,10 +550,11 @@ def solve_ilp(graph: CostGraph, budget_bytes: float, options: ILPOptions) -> Sch
         cost = sum(mdl.cost[k] for k in res.chosen or [] if k < len(x))
         pick = None if res.chosen is None else [k for k in res.chosen if k < len(x)]
         if pick is not None and not fits(graph, budget_bytes, [regions[k] for k in pick]):
-            # The MILP prices neither the RNG state each CPU checkpoint call stashes (simulate's
-            # Rule 12) nor BatchNorm's buffer copies (Rule 9): its pick may exceed the budget by
-            # simulate where dp's, which prices them, fits (the small U-Net's graph form on a
-            # CPU, from 54% to 90% of eager). The warm start answers then.
+            # The MILP prices neither the RNG state a CPU checkpoint call over a random node
+            # stashes (simulate's Rule 12) nor BatchNorm's buffer copies (Rule 9): its pick may
+            # exceed the budget by simulate where dp's, which prices them, fits (the small
+            # U-Net's graph form on a CPU, from 54% to 90% of eager). The warm start answers
+            # then.
             note += ", its pick over the budget by simulate (Rules 9 and 12 unpriced)"
             pick, over = None, [regions[k] for k in pick]
         if pick is not None and (upper is None or cost < upper):

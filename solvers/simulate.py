@@ -30,7 +30,9 @@ Rule 3. Nested arguments. The arguments of a region nested in a recomputation ar
         level down for an argument the nested region passes on: its recomputation saves it
         again for each region nested in it that reads it, so a storage read two or more
         levels down lives until the last of those recomputations ends (or, when a node in one
-        of them saves it, until that region's backward ends).
+        of them saves it, until that region's backward ends). A nested region in which
+        nothing saves never recomputes (Rule 4), so nothing keeps its arguments: they live as
+        the recomputation's own variables (to their last reader, or, past a stop, to its end).
 Rule 4. Backward runs in reverse node order. A region's forward runs again when backward first
         unpacks something the region saved: at its last node that saves for backward (at any
         depth: a nested region's saving node recomputes the nested region, which unpacks its
@@ -78,18 +80,20 @@ Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their 
         the first forward and of backward, never during a recomputation: a change after node
         i's backward comes before the recomputation of a region ending at node i - 1 (FSDP2
         all-gathers a block for backward before autograd reaches the checkpoint inside it).
-Rule 12. Each checkpoint call (recompute and selective regions) stashes
-        ``CostGraph.region_state_bytes`` (the RNG state ``preserve_rng_state`` restores, a
-        ``torch.get_rng_state()`` tensor taken before the call saves its inputs), and its
-        frame holds it: in the first forward, as long as Rule 2 says the frame lives (to the
-        backward of the region's first saving node, or, when nothing in it saves, to its
-        forward's end); in a parent's recomputation, until that recomputation ends (recomputed
-        tensors are detached, so the nested call's frame dies with it), and this holds too for
-        the nested call at which the parent's recomputation stops (Rule 5: it stops as that
-        call saves its inputs, after the stash). Recomputing a region holds one more copy (the
-        state ``fork_rng`` puts back afterwards) until its recomputation ends. (Traced on CPU
-        against the measured step, each RNG state's birth and death:
-        tests/planner/test_nested_measured.py.)
+Rule 12. Each checkpoint call (recompute and selective regions) over a node that draws
+        random numbers (``Node.draws_random``, at any depth: a parent of a random region too)
+        runs with ``preserve_rng_state`` and stashes ``CostGraph.region_state_bytes`` (the RNG
+        state it restores, a ``torch.get_rng_state()`` tensor taken before the call saves its
+        inputs: ``CostGraph.region_stash_bytes``); a call over none runs without it, stashes
+        nothing and copies nothing while it recomputes. A stash's frame holds it: in the first
+        forward, as long as Rule 2 says the frame lives (to the backward of the region's first
+        saving node, or, when nothing in it saves, to its forward's end); in a parent's
+        recomputation, until that recomputation ends (recomputed tensors are detached, so the
+        nested call's frame dies with it), and this holds too for the nested call at which the
+        parent's recomputation stops (Rule 5: it stops as that call saves its inputs, after the
+        stash). Recomputing a region that stashed holds one more copy (the state ``fork_rng``
+        puts back afterwards) until its recomputation ends. (Traced on CPU against the measured
+        step, each RNG state's birth and death: tests/planner/test_nested_measured.py.)
 
 Peak is in bytes above the step's starting baseline (parameters and inputs are not counted).
 """
@@ -301,9 +305,10 @@ class _Replay:
         children = self.children(ctx)
         last, partial = (stop - 1, False) if ctx is ROOT else self._stop_node(ctx, children)
         stash = self.g.region_state_bytes
-        if ctx is not ROOT and ctx.kind != "offload" and stash:
+        own = 0 if ctx is ROOT else self.g.region_stash_bytes(ctx.start, ctx.stop)
+        if ctx is not ROOT and ctx.kind != "offload" and own:
             key = ("stash_run", ctx)  # fork_rng's copy of the state it restores (Rule 12)
-            self._hold(key, stash, 1)
+            self._hold(key, own, 1)
             self._later(ctx, ("recompute_end",), key)
         if ctx is not ROOT and ctx.kind != "offload" and self.state_bytes[ctx]:
             # rewrite's fresh copies of the pre-step buffer values, for this recomputation (Rule 9)
@@ -364,8 +369,10 @@ class _Replay:
         (Rule 5) stops inside that region's checkpoint call, which has stashed its RNG state
         by then: the stash lives until the recomputation ends, and counts at the stop."""
         nested = self._owner(last + 1, children) if last + 1 < ctx.stop else None
-        stash = self.g.region_state_bytes
-        if nested is None or nested.start != last + 1 or nested.kind == "offload" or not stash:
+        if nested is None or nested.start != last + 1 or nested.kind == "offload":
+            return
+        stash = self.g.region_stash_bytes(nested.start, nested.stop)
+        if not stash:
             return
         self._mark(f"recompute-stash:{self.g.nodes[nested.start].name}", stash)
 
@@ -396,12 +403,16 @@ class _Replay:
             self._hold_for_frame(ctx, r, key)
 
     def _stash(self, ctx: Region, i: int) -> None:
-        """See Rule 12: the checkpoints starting at node ``i`` stash their RNG state."""
+        """See Rule 12: the checkpoints starting at node ``i`` that preserve their RNG state
+        stash it."""
         for r in self.starts_at[i]:
             if r is ctx or r.kind == "offload" or (ctx is not ROOT and not ctx.covers(r)):
                 continue
+            stash = self.g.region_stash_bytes(r.start, r.stop)
+            if not stash:
+                continue
             key = ("stash", ctx, r)
-            self._hold(key, self.g.region_state_bytes, 1)
+            self._hold(key, stash, 1)
             self._hold_for_frame(ctx, r, key)
 
     def _hold_for_frame(self, ctx: Region, r: Region, key: tuple) -> None:
@@ -500,7 +511,12 @@ class _Replay:
         """See Rule 3: storage ``t`` is an argument of ``region``, nested in a recomputation,
         and nothing in ``region`` saves it. It lives until ``region``'s own recomputation ends;
         that recomputation saves it again for each region nested in it that reads it (their
-        arguments), and so on down."""
+        arguments), and so on down. A region in which nothing saves never recomputes (Rule 4):
+        nothing keeps its arguments beyond this recomputation's own variables."""
+        if self.saves is not None and trigger_node(self.saves, region.start, region.stop) < (
+            region.start
+        ):
+            return
         self._hold(key, t.size_bytes, 1)
         self._later(region, ("recompute_end",), key)
         for kid in self.children(region):

@@ -23,10 +23,16 @@ from planner.solvers.simulate import simulate
 from tests.models_zoo import small_unet_example
 
 # compare()'s default budget fractions of the eager peak, and notebook 02's, and more between 0.6
-# and 0.9: on CPU each checkpoint call stashes a 5056-byte RNG state (simulate's Rule 12), which
-# on these tiny U-Nets (eager peaks under 1 MB) puts the fractions below 0.6 out of every
-# solver's reach.
+# and 0.9: on CPU a checkpoint call over an op that draws random numbers stashes a 5056-byte RNG
+# state (simulate's Rule 12); while every call did, that put the fractions below 0.6 out of every
+# solver's reach on these tiny U-Nets (eager peaks under 1 MB).
 FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+# Within these, a plan does not beat dp's: dp's space takes the two cuts around an op that
+# allocates nothing as one (solvers/cuts.py region_bounds), BatchNorm's num_batches_tracked
+# += 1 included, which ilp's may leave out of a region: its 8-byte buffer copies (simulate's
+# Rule 9) and a nanosecond each (the notebook U-Net at 75%: ilp 685,564 B, dp 685,580 B,
+# 1.3e-6 of the step time apart, once no region stashed an RNG state).
+TIE_BYTES, TIE_TIME = 64, 1e-5
 
 
 def notebook_gpt_example():
@@ -73,7 +79,10 @@ def test_no_solver_beats_dp_on_both_peak_and_step_time(example):
             except planner.InfeasibleBudgetError:
                 continue
             compared += 1
-            both = sim.peak_bytes < dp.peak_bytes and sim.step_time_s < dp.step_time_s
+            both = (
+                sim.peak_bytes < dp.peak_bytes - TIE_BYTES
+                and sim.step_time_s < dp.step_time_s * (1 - TIE_TIME)
+            )
             assert not both, (
                 f"{name} at {fraction:.0%} of eager: peak {sim.peak_bytes} < dp's "
                 f"{dp.peak_bytes} and step time {sim.step_time_s:.4g} s < dp's "

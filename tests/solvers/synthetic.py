@@ -80,6 +80,7 @@ class GraphBuilder:
                 bwd_temp_bytes=bwd_temp_bytes,
                 param_grad_bytes=param_grad_bytes,
                 tags=frozenset(op_class_tags(short_op_name(op))),  # as the estimators tag
+                draws_random="dropout" in op,  # the estimators read torch's op tags
             )
         )
         return name

@@ -23,8 +23,9 @@ from tests.solvers.synthetic import gpt_like_graph, random_chain
 # A chain whose nodes' times are not their FLOPs (bytes_per_s low: some are memory-bound), so
 # the two objectives rank the least-memory schedules differently.
 CHAIN = replace(random_chain(random.Random(9), 40, max_bytes=10**4), bytes_per_s=200.0)
-# A GPT-like graph with the CPU's RNG stash per checkpoint (simulate's Rule 12, which dp prices
-# approximately) and a grid coarser than a byte: dp's least-memory table ranks by its prices.
+# A GPT-like graph with the CPU's RNG stash per checkpoint over a dropout (simulate's Rule 12,
+# which dp prices approximately) and a grid coarser than a byte: dp's least-memory table ranks
+# by its prices.
 GPT = replace(
     gpt_like_graph(n_layer=2, d_model=64, seq_len=128, batch=2, vocab=128),
     region_state_bytes=5056,

@@ -33,9 +33,14 @@ from tests.solvers.synthetic import gpt_like_graph, random_chain, random_dag, wi
 
 def _with_matmuls_and_spans(graph, rng, stash_bytes):
     """About half the nodes become matmuls (what a selective region keeps); every top-level
-    family's intervals are spans; each checkpoint stashes ``stash_bytes`` (Rule 12)."""
+    family's intervals are spans; each checkpoint over a node that draws random numbers (about
+    a third of them) stashes ``stash_bytes`` (Rule 12)."""
     nodes = tuple(
-        dataclasses.replace(nd, op="aten.mm.default" if rng.random() < 0.5 else "aten.add.Tensor")
+        dataclasses.replace(
+            nd,
+            op="aten.mm.default" if rng.random() < 0.5 else "aten.add.Tensor",
+            draws_random=rng.random() < 0.35,
+        )
         for nd in graph.nodes
     )
     n = len(nodes)

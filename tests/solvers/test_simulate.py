@@ -140,19 +140,59 @@ def test_a_recomputation_copy_its_node_saves_lives_to_that_backward():
     )
 
 
+def drawing(graph: CostGraph, *random: int, stash: int = 4) -> CostGraph:
+    """``graph`` with nodes ``random`` drawing random numbers and ``stash`` bytes of RNG
+    state per checkpoint call that preserves it (Rule 12)."""
+    nodes = tuple(replace(nd, draws_random=i in random) for i, nd in enumerate(graph.nodes))
+    return replace(graph, nodes=nodes, region_state_bytes=stash)
+
+
 def test_a_checkpoint_stashes_its_rng_state_until_its_backward_ends():
     # Rule 12: 4 B stashed as the region's forward starts and held by its frame (to n1's
     # backward, Rule 2), and one more copy (fork_rng's) while it recomputes: the same
     # lifetimes as the buffer copies.
-    sim = run([Region(0, 2)], replace(flagged_chain(), region_state_bytes=4))
-    assert sim.timeline == run([Region(0, 2)], flagged_chain(state_bytes=(0, 4, 0))).timeline
-    assert run(
-        [Region(0, 2, kind="offload")], replace(chain(), region_state_bytes=4)
-    ).peak_bytes == (run([Region(0, 2, kind="offload")]).peak_bytes)  # no checkpoint call, no stash
+    for random in (0, 1):  # a node of the region draws random numbers
+        sim = run([Region(0, 2)], drawing(flagged_chain(), random))
+        assert sim.timeline == run([Region(0, 2)], flagged_chain(state_bytes=(0, 4, 0))).timeline
+    assert run([Region(0, 2, kind="offload")], drawing(chain(), 0)).peak_bytes == (
+        run([Region(0, 2, kind="offload")]).peak_bytes
+    )  # no checkpoint call, no stash
+
+
+def test_a_checkpoint_over_no_random_node_stashes_nothing():
+    # Rule 12: without preserve_rng_state nothing is stashed, nor copied while it recomputes;
+    # a random node outside the region (n2) changes nothing.
+    for graph in (flagged_chain(), chain()):
+        plain = run([Region(0, 2)], graph).timeline
+        assert run([Region(0, 2)], replace(graph, region_state_bytes=4)).timeline == plain
+        assert run([Region(0, 2)], drawing(graph, 2)).timeline == plain
+        assert run([Region(0, 2)], drawing(graph, 1)).timeline != plain
+
+
+def test_a_parent_of_a_random_region_stashes_and_a_child_without_one_does_not():
+    nested = [Region(0, 3, depth=0), Region(0, 2, depth=1)]
+    # n1 draws inside the child, so inside the parent too: both stash, as when every node draws
+    everywhere = run(nested, drawing(chain(), 0, 1, 2)).timeline
+    assert run(nested, drawing(chain(), 1)).timeline == everywhere
+    # n2 draws inside the parent only: the parent stashes (4 B from its forward to its
+    # backward's end, its fork_rng copy while it recomputes); the child's calls nothing
+    assert run(nested, drawing(chain(), 2)).timeline == (
+        ("fwd:n0", 14),
+        ("fwd:n1", 34),
+        ("fwd:n2", 54),
+        ("recompute:n0", 18),
+        ("recompute:n1", 38),
+        ("recompute:n2", 58),
+        ("bwd:n2", 44),
+        ("recompute:n0", 34),
+        ("recompute:n1", 54),
+        ("bwd:n1", 44),
+        ("bwd:n0", 14),
+    )
 
 
 def test_nested_checkpoints_stash_again_when_their_parent_recomputes():
-    sim = run([Region(0, 3, depth=0), Region(0, 2, depth=1)], chain(region_state_bytes=4))
+    sim = run([Region(0, 3, depth=0), Region(0, 2, depth=1)], drawing(chain(), 0))
     # The first forward stashes both (8 B, each to its own backward's end); the outer region's
     # recomputation adds its fork_rng copy and the inner call's new stash, both gone when it
     # ends; the inner region's recomputation adds its own fork_rng copy.
@@ -391,7 +431,8 @@ def stopping_nest(region_state_bytes: int) -> CostGraph:
         Tensor("t3", 40, producer=3, users=(4,), grad_bytes=40),
         Tensor("t4", 50, producer=4, grad_bytes=50, is_output=True),
     )
-    return CostGraph(nodes=nodes, tensors=tensors, region_state_bytes=region_state_bytes)
+    # n3 draws random numbers: both the outer region and the one nested over n3 stash (Rule 12)
+    return drawing(CostGraph(nodes=nodes, tensors=tensors), 3, stash=region_state_bytes)
 
 
 def test_a_recomputation_stopping_at_a_nested_region_holds_what_comes_after_and_its_stash():
@@ -416,3 +457,29 @@ def test_a_recomputation_stopping_at_a_nested_region_holds_what_comes_after_and_
     # it), t2 (the nested region's argument, Rule 3) and the two first-forward stashes stay;
     # the nested recomputation adds t3 and its own fork_rng copy.
     assert sim.timeline[10] == ("recompute:n3", 50 + 20 + 30 + 8 + 40 + 4)
+
+
+def test_a_nested_region_that_saves_nothing_keeps_no_arguments_past_its_parents_recomputation():
+    # n3 saves nothing: its backward runs before the outer region recomputes (Rule 4), and the
+    # region nested over it never recomputes. The outer recomputation stops as that nested
+    # call saves its argument t2 (Rule 5); t2 then dies with the recomputation (Rule 3: nothing
+    # keeps it for a recomputation that never comes). It was held to the end of the step.
+    nodes = (
+        Node("n0"),
+        Node("n1", (0,), saves_for_backward=True),
+        Node("n2", (1,), saves_for_backward=True),
+        Node("n3", (2,)),
+    )
+    tensors = (
+        Tensor("t0", 10, producer=0, users=(1,), saved_by=(1,), grad_bytes=10),
+        Tensor("t1", 20, 1, users=(2,), saved_by=(2,), grad_bytes=20, after_last_save=True),
+        Tensor("t2", 30, 2, users=(3,), grad_bytes=30, after_last_save=True),
+        Tensor("t3", 40, 3, grad_bytes=40, is_output=True, after_last_save=True),
+    )
+    graph = CostGraph(nodes=nodes, tensors=tensors)
+    nested = run([Region(0, 4), Region(3, 4, 1)], graph).timeline
+    assert ("recompute:n2", 30 + 10 + 20 + 30) in nested  # t2 made: the stop is past n2
+    flat = run([Region(0, 4)], graph).timeline
+    assert [e for e in nested if e[0].startswith("bwd:")] == [
+        e for e in flat if e[0].startswith("bwd:")
+    ]
