@@ -6,13 +6,15 @@ op become ``Tensor``s (who reads them, who saves them for backward, when they di
 written), tagged from its op class (``solvers/op_classes.py``) and its place in the step:
 ``attention`` (S x S outputs, fused attention), ``skip`` (values read far apart), ``random``,
 ``inplace``, ``batchnorm``, ``view``. Time: the roofline of the caller's device rates, or the
-step's own aten calls timed on the device (:func:`with_measured_times`).
+step's own aten calls timed on the device (:func:`with_measured_times`), whose runs also give
+the kernel workspaces the working sets add (:func:`with_workspaces`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -186,6 +188,9 @@ def with_measured_times(
     times, how = _measured_times(tracker, timing, rates, step_time)
     if timing.source:
         how += f"; calibration: {timing.source}"
+    graph, folded = with_workspaces(graph, tracker, timing.workspace_bytes)
+    if folded:
+        how += f"; kernel workspaces: {folded} nodes' working sets"
     nodes = tuple(
         dataclasses.replace(
             n,
@@ -223,6 +228,51 @@ def with_measured_times(
         graph = dataclasses.replace(graph, selective_call_overhead_s=per_call_s)
         how += f"; selective policy + {per_call_s * 1e6:.1f} us per call"
     return dataclasses.replace(graph, meta={**graph.meta, "timing": how})
+
+
+def with_workspaces(
+    graph: CostGraph, tracker: Tracker, workspace_bytes: Mapping[str, int]
+) -> tuple[CostGraph, int]:
+    """``graph`` with each node's forward and backward working sets raised by its calls' kernel
+    workspaces (``op_timing.workspace_bytes``: scratch a CUDA kernel allocates and frees inside
+    the call, by ``OpCall.key_text``), and how many nodes that raised.
+
+    A call's workspace stands on what is live once its outputs are allocated
+    (``Segment.calls``: the bytes above the segment's start then), so the segment's peak above
+    its start becomes max(its traced peak, max over its calls of that level + the call's
+    workspace), and the node's temp is that peak less what the node keeps, as ``cost_graph``
+    prices it: in forward its outputs that outlive it (``fwd_temp_bytes``), in backward the
+    gradients and parameter gradients it allocates (``bwd_temp_bytes``). Recomputation replays
+    the forward's calls, and simulate prices it with ``fwd_temp_bytes`` too.
+
+    Without figures (off CUDA, a device profile, no ``time_ops``) the graph is unchanged."""
+    if not any(workspace_bytes.values()):
+        return graph, 0
+
+    def peak_with(seg: Segment | None) -> int | None:
+        if seg is None:
+            return None
+        levels = [at + w for call, at in seg.calls if (w := workspace_bytes.get(call.key_text))]
+        return max(levels, default=None)
+
+    kept_fwd = [0] * len(graph.nodes)
+    for t in graph.tensors:
+        kept_fwd[t.producer] += t.size_bytes
+    kept_bwd = [n.param_grad_bytes for n in graph.nodes]
+    for b in graph.grad_buffers:
+        kept_bwd[b.alloc_node] += b.size_bytes
+    nodes, folded = list(graph.nodes), 0
+    for i, node in enumerate(nodes):
+        fwd, bwd = tracker.records[i].fwd, tracker.segments.by_node.get(i)
+        fwd_temp, bwd_temp = node.fwd_temp_bytes, node.bwd_temp_bytes
+        if (peak := peak_with(fwd)) is not None:
+            fwd_temp = max(fwd_temp, peak - kept_fwd[i])
+        if (peak := peak_with(bwd)) is not None:
+            bwd_temp = max(bwd_temp, peak - kept_bwd[i])
+        if (fwd_temp, bwd_temp) != (node.fwd_temp_bytes, node.bwd_temp_bytes):
+            nodes[i] = dataclasses.replace(node, fwd_temp_bytes=fwd_temp, bwd_temp_bytes=bwd_temp)
+            folded += 1
+    return dataclasses.replace(graph, nodes=tuple(nodes)), folded
 
 
 def _measured_times(

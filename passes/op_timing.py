@@ -18,6 +18,15 @@ ops stepped for real, minus the same calls timed alone) and the estimator adds i
 CUDA the host runs ahead of the kernels, so it is not added there. Likewise each checkpoint
 region costs its own bookkeeping (saved-tensor hooks, RNG state, the recomputation's set-up):
 :func:`checkpoint_overhead_s` measures that once per device.
+
+The same runs measure memory no fake tensor shows: on CUDA a kernel may allocate scratch
+through the caching allocator inside its call and free it before returning (cuDNN
+convolutions' workspaces, reductions' scratch, dropout's and log-softmax's buffers), which
+``planner.measure`` counts in the step's peak. :func:`workspace_bytes` is that transient, per
+call: what the call's peak allocation reached above its inputs and outputs. It is 0 wherever
+no CUDA kernel ran: on the CPU (whose kernels' scratch ``planner.measure`` does not count
+there either), for a call that would not run on random tensors, and whenever no device is
+timed at all (a device profile such as "h100", a meta model, a plan without ``time_ops``).
 """
 
 from __future__ import annotations
@@ -99,6 +108,8 @@ def op_call(
 
 # (device, OpCall.key) -> seconds, or None for a call that would not run on random tensors
 _TIMES: dict[tuple[str, tuple], float | None] = {}
+# (device, OpCall.key) -> the call's kernel workspace, measured as it was timed (CUDA only)
+_WORKSPACE_BYTES: dict[tuple[str, tuple], int] = {}
 # A call is repeated until the timed stretch lasts this long, so the clock's resolution and
 # Python's own overhead do not swamp microsecond kernels. Of the repeats the fastest counts
 # (as timeit advises): other processes only ever slow a run down, and a figure cached for the
@@ -165,8 +176,33 @@ def clock(device: torch.device) -> Callable[[], float]:
 
 def time_call(call: OpCall, device: torch.device, repeats: int = 5) -> float | None:
     """Seconds per call of ``call`` on ``device`` (the fastest of ``repeats`` stretches), not
-    cached; None for a call that does not run on random tensors."""
+    cached; None for a call that does not run on random tensors. On CUDA the same runs measure
+    its kernel workspace, which :func:`workspace_bytes` then gives."""
     return _time_call(call, device, repeats)
+
+
+def workspace_bytes(call: OpCall, device: torch.device) -> int:
+    """The bytes ``call`` allocates on ``device`` beyond its inputs and outputs and frees
+    before it returns (module docstring), as measured when it was last timed there (the most
+    any timing saw). 0 on the CPU, for a call not timed on ``device`` in this process, and for
+    one that did not run on random tensors."""
+    return _WORKSPACE_BYTES.get((str(device), call.key), 0)
+
+
+def _transient_bytes(call: OpCall, args: tuple, kwargs: dict, device: torch.device) -> int:
+    """One run of ``call`` on its (real, CUDA) arguments: the most the caching allocator held
+    during it above what it held after it with the outputs still alive. The arguments are held
+    throughout, so nothing is freed by the call but its scratch; ``before`` matters only for
+    a call that returns less than it was given (none frees an argument). Resets the device's
+    peak statistics (``torch.cuda.reset_peak_memory_stats``)."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = call.op(*args, **kwargs)
+    after = torch.cuda.memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out
+    return max(0, peak - max(before, after))
 
 
 def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None:
@@ -186,6 +222,10 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
         with torch.no_grad():
             run()  # warm-up: lazy initialisation, allocator growth
             sync()
+            if device.type == "cuda":  # after the warm-up: no lazy set-up, no algorithm search
+                workspace = _transient_bytes(call, args, kwargs, device)
+                key = (str(device), call.key)
+                _WORKSPACE_BYTES[key] = max(workspace, _WORKSPACE_BYTES.get(key, 0))
             t0 = now()
             run()
             sync()
@@ -410,7 +450,8 @@ class DeviceTiming:
     """What the estimator takes of a device's calibration, as plain data (no torch objects):
     seconds per call of each call timed (by :attr:`OpCall.key_text`; None: it did not run on
     random tensors, price it by the roofline), seconds a step spends per call around the call
-    itself (:func:`call_overhead_s`), and the checkpoint bookkeeping (:func:`checkpoint_overhead`).
+    itself (:func:`call_overhead_s`), the checkpoint bookkeeping (:func:`checkpoint_overhead`),
+    and the calls' kernel workspaces (:func:`workspace_bytes`).
 
     ``planner/calibration.py`` keeps one per device, in the process and on disk, and hands it to
     ``estimate`` / ``eager_graph`` through their ``timer``.
@@ -423,6 +464,9 @@ class DeviceTiming:
     # The step itself, timed whole (``passes.step.StepTime``: plain, checkpointed, selective),
     # when it was cheap enough to time; the estimator fits the calls' times to it.
     step_time: Any = None
+    # Kernel workspace bytes of the calls that have one (:func:`workspace_bytes`), by
+    # :attr:`OpCall.key_text`; a call not listed has none (always so off CUDA).
+    workspace_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 # What ``estimate(..., time_ops=True)`` calls with the step's recorded calls and the device:
@@ -433,9 +477,11 @@ Timer = Callable[[Sequence[OpCall], torch.device], DeviceTiming]
 def measure_timing(calls: Sequence[OpCall], device: torch.device) -> DeviceTiming:
     """The default :data:`Timer`: ``calls`` timed here (cached for this process only)."""
     times = time_calls(calls, device)
+    workspaces = {c.key_text: workspace_bytes(c, device) for c in calls}
     return DeviceTiming(
         op_times_s={c.key_text: times.get(c.key) for c in calls},
         call_overhead_s=call_overhead_s(device),
         checkpoint=checkpoint_overhead(device),
         source="timed in this process",
+        workspace_bytes={text: n for text, n in workspaces.items() if n},
     )

@@ -193,6 +193,7 @@ class Tracker(TorchDispatchMode):
         # storages of the graph's nodes (its outputs) that only the loss step saves, and the
         # node whose backward unpacked them (the loss's backward is charged to it)
         self.loss_held: list[tuple[Storage, int]] = []
+        self.fwd_segment: Segment | None = None  # the running node's (``enter_node``)
 
     def _is_weight(self, t: Any) -> bool:
         """A parameter: what autocast caches the casts of (leaves that require grad)."""
@@ -241,11 +242,29 @@ class Tracker(TorchDispatchMode):
             ins = [t for t in flat[0] if is_tensor(t)]  # type: ignore[index]
             moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
             self.moved_bytes[where] += moved
+        call = op_call(func, args, kwargs, flat) if self.record_calls else None
         if self.record_calls:
-            self.calls[where].append((op_call(func, args, kwargs, flat), flops, moved))
+            self.calls[where].append((call, flops, moved))
         for t in outs:
             self.track(t)
+        if call is not None:
+            self._note_call(call)
         return out
+
+    def _note_call(self, call: OpCall) -> None:
+        """Remember ``call`` in the working set it runs in (``Segment.calls``), with the bytes
+        live above that segment's start once its outputs are allocated: the level a kernel's
+        workspace stands on (``costing.with_workspaces``)."""
+        if self.phase == "bwd":
+            seg, start = self.segments.by_node.get(self.node), self.segments.start_bytes
+        elif self.outside_node:  # the loss step joins its node's forward (estimate._charged_to)
+            seg = self.records[self.node].fwd
+            start = seg.start_bytes
+        else:
+            seg = self.fwd_segment if self.node >= 0 else None
+            start = 0 if seg is None else seg.start_bytes
+        if seg is not None:
+            seg.calls.append((call, self.live_bytes - start))
 
     def note_writes(self, func, args: tuple, kwargs: dict) -> None:
         """Record the storages ``func`` writes in place (``passes/nodes.written_arguments``)."""
@@ -307,7 +326,7 @@ class Tracker(TorchDispatchMode):
                     rec.users.add(i)
                     producers.add(rec.node)
         self.node, self.phase = i, "fwd"
-        seg = Segment(start_bytes=self.live_bytes)
+        seg = self.fwd_segment = Segment(start_bytes=self.live_bytes)
         self.peak_bytes = self.live_bytes
         return read, producers, seg
 
@@ -426,6 +445,10 @@ class Segment:
 
     start_bytes: int = 0
     peak_above_start_bytes: int = 0
+    # each aten call it ran, with the bytes live above ``start_bytes`` once the call's outputs
+    # were allocated (recorded only when the tracker records calls, to time them): where a
+    # kernel's workspace, which no fake tensor shows, stands (``costing.with_workspaces``)
+    calls: list[tuple[OpCall, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)

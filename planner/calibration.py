@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -51,6 +52,7 @@ from planner.passes.op_timing import (
     measure_call_overhead_s,
     measure_checkpoint_overhead,
     time_call,
+    workspace_bytes,
 )
 from planner.passes.step import StepTime
 from planner.solvers.errors import PlannerError
@@ -65,7 +67,8 @@ CACHE_DIR_ENV = "PLANNER_CACHE_DIR"
 CACHE_ENV = "PLANNER_CACHE"  # "0" (or "false", "off", "no"): no disk cache
 DEFAULT_CACHE_DIR = Path("~/.cache/planner")
 FORMAT = "planner-calibration"
-VERSION = 1
+# 2: kernel workspaces (``workspace_bytes``); a version-1 file lacks them and is measured anew
+VERSION = 2
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
 # per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
@@ -85,7 +88,9 @@ class Calibration:
     spends per aten call beyond the call itself. ``checkpoint``: a region's bookkeeping.
     ``step_times_s``: small steps timed whole, by :func:`step_signature`: (forward, backward,
     checkpointed whole, selective whole; the last two None where it could not be
-    checkpointed).
+    checkpointed). ``workspace_bytes``: the kernel workspace of each call timed that has one
+    (``op_timing.workspace_bytes``: CUDA only), by ``OpCall.key_text``, measured in the same
+    runs as its time; a call timed here and not listed has none.
     """
 
     device: str
@@ -97,10 +102,12 @@ class Calibration:
     step_times_s: Mapping[str, tuple[float, float, float | None, float | None]] = field(
         default_factory=dict
     )
+    workspace_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # read-only: a calibration shared by plans must not change under them
         object.__setattr__(self, "op_times_s", MappingProxyType(dict(self.op_times_s)))
+        object.__setattr__(self, "workspace_bytes", MappingProxyType(dict(self.workspace_bytes)))
         steps = {k: tuple(v) for k, v in self.step_times_s.items()}
         object.__setattr__(self, "step_times_s", MappingProxyType(steps))
 
@@ -114,12 +121,25 @@ class Calibration:
         timed = self.step_times_s.get(step) if step is not None else None
         step_time = None if timed is None else StepTime(*timed)
         return DeviceTiming(
-            self.op_times_s, self.call_overhead_s, self.checkpoint, source, step_time
+            self.op_times_s,
+            self.call_overhead_s,
+            self.checkpoint,
+            source,
+            step_time,
+            self.workspace_bytes,
         )
 
-    def with_times(self, times_s: Mapping[str, float | None]) -> Calibration:
-        """This calibration with more calls; a call it already has keeps its figure."""
-        return replace(self, op_times_s={**times_s, **self.op_times_s})
+    def with_times(
+        self, times_s: Mapping[str, float | None], workspaces: Mapping[str, int] | None = None
+    ) -> Calibration:
+        """This calibration with more calls (``workspaces``: the kernel workspaces of those
+        that have one); a call it already has keeps its figures, time and workspace."""
+        new = {k: n for k, n in (workspaces or {}).items() if k not in self.op_times_s and n}
+        return replace(
+            self,
+            op_times_s={**times_s, **self.op_times_s},
+            workspace_bytes={**self.workspace_bytes, **new},
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -136,6 +156,7 @@ class Calibration:
             },
             "op_times_s": dict(sorted(self.op_times_s.items())),
             "step_times_s": {k: list(v) for k, v in sorted(self.step_times_s.items())},
+            "workspace_bytes": dict(sorted(self.workspace_bytes.items())),
         }
 
     @classmethod
@@ -163,6 +184,7 @@ class Calibration:
                     str(k): tuple(None if x is None else float(x) for x in v)
                     for k, v in body.get("step_times_s", {}).items()
                 },
+                workspace_bytes={str(k): int(v) for k, v in body["workspace_bytes"].items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CalibrationError(
@@ -249,7 +271,7 @@ def _merged(ours: Calibration, theirs: Calibration | None) -> Calibration:
     if theirs is None or theirs.key != ours.key:
         return ours
     steps = {**ours.step_times_s, **theirs.step_times_s}
-    return replace(theirs.with_times(ours.op_times_s), step_times_s=steps)
+    return replace(theirs.with_times(ours.op_times_s, ours.workspace_bytes), step_times_s=steps)
 
 
 def step_signature(calls: Sequence[OpCall]) -> str:
@@ -428,6 +450,7 @@ class BatchSweep:
         self.last_calls: list[OpCall] | None = None
         # their figures (a pinned calibration object is not extended from one size to the next)
         self.last_times_s: dict[str, float | None] = {}
+        self.last_workspace_bytes: dict[str, int] = {}
 
 
 _SWEEP: ContextVar[BatchSweep | None] = ContextVar("planner_batch_sweep", default=None)
@@ -494,6 +517,21 @@ def scaled_times(calibration: Calibration, pairs: Pairs) -> dict[str, float]:
         for text, (small_s, ratio) in expected_times(calibration.op_times_s, pairs).items()
         if small_s >= SCALE_MIN_S and text not in calibration.op_times_s
     }
+
+
+def scaled_workspaces(
+    workspaces: Mapping[str, int], pairs: Pairs, scaled: Mapping[str, float]
+) -> dict[str, int]:
+    """The kernel workspaces of the calls priced from their counterparts (``scaled``, by
+    :func:`scaled_times`): the counterpart's figure in ``workspaces`` times their size ratio,
+    in the caching allocator's 512-byte blocks. A scaled call never runs, so nothing measures
+    its own; its scratch grows with its rows as its time does."""
+    out: dict[str, int] = {}
+    for small, large, ratio in pairs:
+        n = workspaces.get(small.key_text, 0)
+        if n and large.key_text in scaled:
+            out[large.key_text] = -(-math.ceil(n * ratio) // 512) * 512
+    return out
 
 
 def _distributed() -> bool:
@@ -578,6 +616,7 @@ class CalibrationTimer:
                 self.source = "measured now"
             sweep = _SWEEP.get()
             scaled = expected = None
+            pairs: Pairs = ()
             if sweep is not None and sweep.last_calls is not None:
                 pairs = paired_calls(sweep.last_calls, calls)
                 earlier_s = {**sweep.last_times_s, **calibration.op_times_s}
@@ -585,12 +624,26 @@ class CalibrationTimer:
                 expected = {text: small_s * ratio for text, (small_s, ratio) in paired.items()}
                 scaled = _per_class_corrected(scaled_times(calibration, pairs), calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
+            # measured as they were timed (op_timing.workspace_bytes); the scaled ones from
+            # their counterparts
+            workspaces = {
+                c.key_text: workspace_bytes(c, device) for c in calls if c.key_text in new
+            }
+            if sweep is not None and scaled:
+                earlier = {**sweep.last_workspace_bytes, **calibration.workspace_bytes}
+                for text, n in scaled_workspaces(earlier, pairs, scaled).items():
+                    workspaces[text] = max(n, workspaces.get(text, 0))
             if new:
-                calibration = calibration.with_times(new)
+                calibration = calibration.with_times(new, workspaces)
             if sweep is not None:
                 sweep.last_calls = list(calls)
                 sweep.last_times_s = {
                     c.key_text: calibration.op_times_s.get(c.key_text) for c in calls
+                }
+                sweep.last_workspace_bytes = {
+                    c.key_text: n
+                    for c in calls
+                    if (n := calibration.workspace_bytes.get(c.key_text))
                 }
             signature = step_signature(calls)
             timed = self._time_small_step(calibration, calls, device, signature)

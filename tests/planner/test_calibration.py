@@ -182,7 +182,7 @@ def test_a_bad_calibration_is_a_clear_error(cache, tmp_path):
     bad.write_text(json.dumps({"format": "planner-calibration", "version": 99}))
     with pytest.raises(CalibrationError, match="version 99.*calibrate anew"):
         planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
-    bad.write_text(json.dumps({"format": "planner-calibration", "version": 1}))
+    bad.write_text(json.dumps({"format": "planner-calibration", "version": calibration.VERSION}))
     with pytest.raises(CalibrationError, match="malformed field"):
         planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
     other = dataclasses.replace(calibration.current(), device="cuda:NVIDIA H100")
