@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -52,6 +53,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.op_timing import Timer
+from planner.passes.parent_spans import (
+    NodeOps,
+    forward_arity,
+    span_name,
+    spans_of,
+    trace_parent,
+    writes_in_place,
+)
 from planner.passes.step import (
     LossFn,
     StepTime,
@@ -117,6 +126,9 @@ class _OpTracker(Tracker):
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
         self.aliased_args: set[str] = set()  # modules called with one tensor in two arguments
+        # module path -> how many arguments each call passed, when they were all tensors (else
+        # -1): a parent's spans run its traced forward, offered only for such calls
+        self.tensor_args: dict[str, list[int]] = defaultdict(list)
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -170,6 +182,9 @@ class _CallRecorder(ForwardWrapper):
         ids = [id(t) for t in tree_leaves((args, kwargs)) if is_tensor(t)]
         if len(ids) != len(set(ids)):
             tracker.aliased_args.add(self.path)
+        values = (*args, *kwargs.values())
+        tensors_only = all(isinstance(a, torch.Tensor) for a in values)
+        tracker.tensor_args[self.path].append(len(values) if tensors_only else -1)
         tracker.path_stack.append(self.path)
         try:
             return self.run_original(module, *args, **kwargs)
@@ -341,19 +356,27 @@ def eager_graph(
     # node -> the model state it writes, by buffer name (None: state that is no buffer)
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
-    lifetimes = _python_lifetimes(model, example_input, loss_fn, tracker)
+    parents, not_parents = _traceable_parents(model, calls, tracker)
+    lifetimes, parent_ops = _python_lifetimes(model, example_input, loss_fn, tracker, parents)
+    for path in parents.keys() - parent_ops:
+        not_parents[span_name(path, "", "")] = "its traced forward ran other ops than its own"
 
     graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
     meta = {**graph.meta, "precision": precision_text(model), "python_lifetimes": lifetimes}
     graph = replace(graph, meta=meta)
     if time_ops:
         graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
-    return _candidates(model, graph, calls, written, tracker.aliased_args)
+    eg = _candidates(model, graph, calls, written, tracker.aliased_args)
+    return _with_parent_spans(model, eg, parents, parent_ops, written, not_parents)
 
 
 def _python_lifetimes(
-    model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, tracker: _OpTracker
-) -> str:
+    model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None,
+    tracker: _OpTracker,
+    parents: dict[str, _Parent],
+) -> tuple[str, dict[str, dict[str, tuple[int, int]]]]:
     """Learn when Python drops the storages autograd saved, and note it in ``tracker.died_at``.
 
     A storage saved for backward outlives the forward in the priced run, so its finalizer never
@@ -366,8 +389,13 @@ def _python_lifetimes(
     storage dies when Python drops it; its ops are matched to the priced run's by name
     (``<module path>:<op>:<k>``), op and output shapes, and each saved storage takes the death
     of its counterpart (an op of that run that the priced run lacks maps to the priced run's
-    node before the next match: later, on the safe side). Returns how it went, for the graph's
-    ``meta``.
+    node before the next match: later, on the safe side).
+
+    ``parents`` (path -> traced forward, :func:`_traceable_parents`) run their traced forward
+    in that run (``parent_spans.NodeOps``), to learn which ops each of their fx call nodes
+    runs: the node intervals of each whose ops there are the priced run's, same names, same
+    overloads and shapes, in the priced run's numbering. Returns (how the lifetimes went, for
+    the graph's ``meta``; parent path -> fx node name -> [start, stop) of its ops).
     """
     saved = [
         (i, j, rec)
@@ -376,16 +404,18 @@ def _python_lifetimes(
         for j, rec in enumerate(recs)
         if rec.saved_by and id(rec) not in tracker.died_at and id(rec) not in tracker.casts
     ]
-    if not saved:
-        return "no saved storage"
+    if not saved and not parents:
+        return "no saved storage", {}
     other = _OpTracker()
     fs = fake_step(model, example_input, other)
     call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
     _, kwargs = split_input(example_input)
+    node_ops: dict[str, NodeOps] = {}
     try:
         with (
             _mask_decisions_as_eager(kwargs),
-            _recording_calls(model, other),
+            _running_traced(model, parents, other, node_ops),
+            _recording_calls(model, other) as other_calls,
             fs.running(),
             torch.no_grad(),
         ):
@@ -396,9 +426,17 @@ def _python_lifetimes(
             other.recording = False
             del out
     except Exception as e:  # noqa: BLE001 - the priced run stands; only these lifetimes are lost
-        return f"unknown for saved storages (the forward under no_grad failed: {e!r:.200})"
+        return f"unknown for saved storages (the forward under no_grad failed: {e!r:.200})", {}
     key = [(r.name, r.op, tuple(r.shapes)) for r in tracker.records]
     key_other = [(r.name, r.op, tuple(r.shapes)) for r in other.records]
+    parent_ops = {}
+    for path, run in node_ops.items():
+        (s, e), (s_other, e_other, _) = parents[path].span, other_calls[path][0]
+        if key[s:e] == key_other[s_other:e_other]:
+            shift = s - s_other
+            parent_ops[path] = {n: (a + shift, b + shift) for n, (a, b) in run.ops.items()}
+    if not saved:
+        return "no saved storage", parent_ops
     to_priced: dict[int, int] = {}  # node of the no_grad run -> the priced run's node
     if key == key_other:
         to_priced = {k: k for k in range(len(key))}
@@ -423,7 +461,122 @@ def _python_lifetimes(
         if died is not None and died >= 0:
             tracker.died_at[id(rec)] = later[died]
             held += 1
-    return f"from a forward under no_grad: {held} of {len(saved)} saved storages"
+    return f"from a forward under no_grad: {held} of {len(saved)} saved storages", parent_ops
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """A module whose own forward may hold spans: its traced forward, its call's op interval."""
+
+    gm: fx.GraphModule
+    span: tuple[int, int]
+
+
+def _traceable_parents(
+    model: torch.nn.Module, calls: dict[str, list[tuple[int, int, bool]]], tracker: _OpTracker
+) -> tuple[dict[str, _Parent], dict[str, str]]:
+    """(path -> :class:`_Parent`, ``path(..)`` -> why not) of the modules with children and ops
+    of their own whose forward may hold spans (``passes/parent_spans.py``): called once per
+    step, with grad, passing a tensor to each parameter of its forward (the traced forward
+    runs only such calls), traced by fx with its children as leaves, writing no tensor in
+    place (a recomputation would read the written value). nn.Sequential's own forward runs
+    nothing of its own (its runs are :func:`_sequential_runs`)."""
+    parents: dict[str, _Parent] = {}
+    why: dict[str, str] = {}
+    for path, module in model.named_modules():
+        made = calls.get(path, [])
+        if len(made) != 1 or next(module.children(), None) is None:
+            continue
+        start, stop, grad = made[0]
+        if not grad or not any(tracker.records[i].module_path == path for i in range(start, stop)):
+            continue
+        try:
+            arity = forward_arity(module)
+            if tracker.tensor_args[path] != [arity]:
+                raise ValueError("it is not called with one tensor for each forward parameter")
+            gm = trace_parent(module)
+            if (node := writes_in_place(gm)) is not None:
+                raise ValueError(f"its node {node} writes a tensor in place")
+        except Exception as e:  # noqa: BLE001 - fx's errors are many; a parent offers no spans
+            why[span_name(path, "", "")] = f"no spans of its own forward: {e}"[:300]
+            continue
+        parents[path] = _Parent(gm, (start, stop))
+    return parents, why
+
+
+@contextmanager
+def _running_traced(
+    model: torch.nn.Module,
+    parents: dict[str, _Parent],
+    tracker: _OpTracker,
+    runs: dict[str, NodeOps],
+) -> Iterator[None]:
+    """Run each parent's traced forward in place of its own, its call nodes' op intervals
+    noted in ``runs[path]``."""
+
+    class Traced(ForwardWrapper):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
+            run = runs[self.path] = NodeOps(module, parents[self.path].gm, counter)
+            return run.run(*args)
+
+    def counter() -> int:
+        return len(tracker.records)
+
+    installed = []
+    try:
+        for path in parents:
+            wrapper = Traced(path)
+            wrapper.install(model.get_submodule(path))
+            installed.append((wrapper, model.get_submodule(path)))
+        yield
+    finally:
+        for wrapper, module in reversed(installed):
+            wrapper.uninstall(module)
+
+
+def _with_parent_spans(
+    model: torch.nn.Module,
+    eg: EagerGraph,
+    parents: dict[str, _Parent],
+    parent_ops: dict[str, dict[str, tuple[int, int]]],
+    written: dict[int, set[str | None]],
+    refused: dict[str, str],
+) -> EagerGraph:
+    """``eg`` with the spans of each parent's own forward (``parent_spans.spans_of``) among its
+    candidates, named ``path(first..last)``: those no in-place write crosses, that write only
+    buffers of the children they call, every one of those (a region's recomputation runs on
+    copies of all of them: ``rewrite.CheckpointRegion``, priced as the written ones, Rule 9).
+    A span some module call or run already is keeps that one's name."""
+    forbidden = forbidden_cuts(eg.graph)
+    spans, state = dict(eg.spans), dict(eg.state_buffers)
+    for path, ops in parent_ops.items():
+        parent = model.get_submodule(path)
+        prefix = f"{path}." if path else ""
+        for first, last, (start, stop), children in spans_of(parents[path].gm, ops):
+            if (start, stop) in spans or start in forbidden or stop in forbidden:
+                continue
+            names = set().union(*(written.get(i, ()) for i in range(start, stop)))
+            owned = {
+                f"{prefix}{child}.{b}"
+                for child in children
+                for b, _ in parent.get_submodule(child).named_buffers()
+            }
+            if names != owned:  # state of others, or buffers copied that are not priced
+                continue
+            name = span_name(path, first, last)
+            spans[(start, stop)] = name
+            if names:
+                state[name] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
+    return replace(
+        eg,
+        graph=replace(eg.graph, region_spans=frozenset(spans)),
+        spans=spans,
+        refused={**eg.refused, **refused},
+        state_buffers=state,
+    )
 
 
 def _read_by_calls(tracker: _OpTracker) -> None:

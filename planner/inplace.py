@@ -66,7 +66,13 @@ from planner import hf_checkpointing
 from planner.guard import remove_guard
 from planner.offload import offloaded_call
 from planner.passes.forward_wrapper import ForwardWrapper
-from planner.passes.rewrite import _outside_selective_checkpointing
+from planner.passes.parent_spans import call_nodes, forward_arity, split_span, trace_parent
+from planner.passes.rewrite import (
+    CheckpointRegion,
+    NamedRegion,
+    _outside_selective_checkpointing,
+    rewrite,
+)
 from planner.plans import Plan, Region, split_run
 from planner.solvers.errors import PlanFileError
 
@@ -409,10 +415,122 @@ class _SequentialRuns(ForwardWrapper):
         return self.run_children(module, 0, len(module), input)
 
 
+class _SpanForward(_RegionForward):
+    """A span region of a parent's forward: its nodes (``body``, a GraphModule of them that
+    ``passes/rewrite.py`` cut out of the parent's traced graph) run as one checkpointed call,
+    exactly as a module region's (``_RegionForward.__call__``, with the parent as the module:
+    its BatchNorm statistics are named relative to it); the spans nested in it run inside."""
+
+    def __init__(self, region: Region, body: torch.nn.Module) -> None:
+        super().__init__(region)
+        self.body = body
+
+    def run_original(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.body(*args, **kwargs)
+
+
+class _SpanCall(torch.nn.Module):
+    """What the rewritten graph calls for a span (in the place of its ``CheckpointRegion``)."""
+
+    def __init__(self, span: _SpanForward, parent: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "span", span)  # plain attributes: no submodules of the model
+        object.__setattr__(self, "parent", parent)
+
+    def forward(self, *args: Any) -> Any:
+        return self.span(self.parent, *args)
+
+
+class _OnModule:
+    """``self`` for the rewritten forward: the parent's own attributes as they are at the call
+    (its parameters, children), the rewritten graph's span calls and constants besides."""
+
+    def __init__(self, module: torch.nn.Module, gm: torch.fx.GraphModule) -> None:
+        self._module, self._gm = module, gm
+
+    def __getattr__(self, name: str) -> Any:
+        if not isinstance(self._gm._modules.get(name), _SpanCall) and hasattr(self._module, name):
+            return getattr(self._module, name)
+        return getattr(self._gm, name)
+
+
+class _ParentSpans(ForwardWrapper):
+    """A parent module's forward with its planned spans (``passes/parent_spans.py``): its
+    traced graph, rewritten by ``passes/rewrite.py`` so that each span is one call
+    (``_SpanForward``), run on the module itself; its call nodes reach the module's own
+    children, so regions of theirs nested in a span run inside it. Used only while training
+    with grad, for a call passing one tensor to each forward parameter, as planned; any other
+    call runs the module's own forward (warning once when training: its spans do not run)."""
+
+    def __init__(self, module: torch.nn.Module, path: str, regions: list[Region]) -> None:
+        self.path, self.arity, self.warned = path, forward_arity(module), False
+        gm = trace_parent(module)
+        order = [n.name for n in call_nodes(gm)]
+        named, by_name, stack = [], {}, []
+        for k, r in enumerate(sorted(regions, key=lambda r: _outer_first(r, order))):
+            a, b = _node_span(r, order)
+            while stack and stack[-1] < b:  # depth among this parent's spans
+                stack.pop()
+            name = f"ckpt_span_{k}"
+            named.append(NamedRegion(name, tuple(order[a:b]), len(stack), r.kind))
+            by_name[name] = r
+            stack.append(b)
+        self.gm = rewrite(gm, named)
+        _swap_spans(self.gm, by_name, module)
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_grad_enabled() and module.training):
+            return self.run_original(module, *args, **kwargs)
+        values = (*args, *kwargs.values())
+        if len(values) != self.arity or not all(isinstance(v, torch.Tensor) for v in values):
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"planner: module {self.path!r} was planned with regions of its own forward "
+                    f"for calls passing a tensor to each of its {self.arity} parameters; this "
+                    f"call does not, so it runs its own forward without them and memory may "
+                    f"exceed the prediction.",
+                    stacklevel=3,
+                )
+            return self.run_original(module, *args, **kwargs)
+        return type(self.gm).forward(_OnModule(module, self.gm), *args, **kwargs)
+
+
+def _node_span(region: Region, order: list[str]) -> tuple[int, int]:
+    """[a, b) of a span region's fx call nodes in ``order``."""
+    _, first, last = split_span(region.name)  # type: ignore[misc]
+    return order.index(first), order.index(last) + 1
+
+
+def _outer_first(region: Region, order: list[str]) -> tuple[int, int]:
+    a, b = _node_span(region, order)
+    return a, -b
+
+
+def _swap_spans(
+    gm: torch.fx.GraphModule, by_name: dict[str, Region], parent: torch.nn.Module
+) -> None:
+    """Replace each ``CheckpointRegion`` the rewrite made (nested ones in their parent span's
+    body) by the in-place runner of its span."""
+    for name, mod in list(gm._modules.items()):
+        if isinstance(mod, CheckpointRegion):
+            _swap_spans(mod.body, by_name, parent)
+            gm._modules[name] = _SpanCall(_SpanForward(by_name[name], mod.body), parent)
+
+
 def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
-    # runs first: a region over the whole Sequential wraps the forward that runs them
+    # spans first, then runs: a region over the whole module wraps the forward that runs them
+    parents: dict[str, list[Region]] = defaultdict(list)
+    for region in regions:
+        if (span := split_span(region.name)) is not None:
+            parents[span[0]].append(region)
+    for path, spans in parents.items():
+        module = model.get_submodule(path)
+        _ParentSpans(module, path, spans).install(module)
     sequentials: dict[str, _SequentialRuns] = {}
     for region in regions:
+        if split_span(region.name) is not None:
+            continue
         path, children = split_run(region.path)
         if children is not None:
             runs = sequentials.get(path)
@@ -423,7 +541,7 @@ def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
     for path, runs in sequentials.items():
         runs.plan_steps(len(model.get_submodule(path)))
     for region in regions:
-        if split_run(region.path)[1] is None:
+        if split_span(region.name) is None and split_run(region.path)[1] is None:
             _RegionForward(region).install(model.get_submodule(region.path))
 
 
@@ -441,7 +559,7 @@ def unwrap_regions(model: torch.nn.Module) -> None:
         # a region over a Sequential wraps the forward that runs its runs: both come off
         while isinstance(
             wrapper := getattr(module.__dict__.get("forward"), "__func__", None),
-            _RegionForward | _SequentialRuns,
+            _RegionForward | _SequentialRuns | _ParentSpans,
         ):
             wrapper.uninstall(module)
 
@@ -464,7 +582,8 @@ def check_fits(
         )
     types = dict(tree)
     for r in regions:
-        path, children = split_run(r.path)
+        span = split_span(r.name)
+        path, children = split_run(r.path) if span is None else (span[0], None)
         try:
             module = model.get_submodule(path)
         except AttributeError:
@@ -484,6 +603,8 @@ def check_fits(
                 f"{path!r} as one call, which needs an nn.Sequential of at least "
                 f"{children.stop} children. {fix}"
             )
+        if span is not None:
+            _check_span(module, span, source, fix)
     ours = module_tree(model)
     for (path, kind), (their_path, their_kind) in zip(tree, ours):
         if (path, kind) != (their_path, their_kind):
@@ -497,6 +618,32 @@ def check_fits(
         )
     if shapes:
         _check_shapes(model, shapes, source, fix)
+
+
+def _check_span(
+    module: torch.nn.Module, span: tuple[str, str, str], source: str, fix: str
+) -> None:
+    """PlanFileError unless ``module``'s forward traces (``passes/parent_spans.py``) to a graph
+    in which the span's first node is no later than its last."""
+    path, first, last = span
+    try:
+        order = [n.name for n in call_nodes(trace_parent(module))]
+    except Exception as e:  # noqa: BLE001 - whatever fx raises
+        raise PlanFileError(
+            f"{source} checkpoints a span of {path!r}'s own forward, which torch.fx cannot "
+            f"trace here ({type(e).__name__}: {e}). {fix}"
+        ) from None
+    for node in (first, last):
+        if node not in order:
+            raise PlanFileError(
+                f"{source} checkpoints {path!r}'s forward from node {first!r} to {last!r}; its "
+                f"traced forward has no node {node!r}. {fix}"
+            )
+    if order.index(first) > order.index(last):
+        raise PlanFileError(
+            f"{source} checkpoints {path!r}'s forward from node {first!r} to {last!r}, which "
+            f"comes before it. {fix}"
+        )
 
 
 def _check_shapes(
