@@ -435,10 +435,10 @@ class _SpanCall(torch.nn.Module):
     def __init__(self, span: _SpanForward, parent: torch.nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "span", span)  # plain attributes: no submodules of the model
-        object.__setattr__(self, "parent", parent)
+        object.__setattr__(self, "parent", weakref.ref(parent))  # its graph is kept by it
 
     def forward(self, *args: Any) -> Any:
-        return self.span(self.parent, *args)
+        return self.span(self.parent(), *args)
 
 
 class _OnModule:
@@ -460,14 +460,32 @@ class _ParentSpans(ForwardWrapper):
     (``_SpanForward``), run on the module itself; its call nodes reach the module's own
     children, so regions of theirs nested in a span run inside it. Used only while training
     with grad, for a call passing one tensor to each forward parameter, as planned; any other
-    call runs the module's own forward (warning once when training: its spans do not run)."""
+    call runs the module's own forward (warning once when training: its spans do not run).
+
+    The rewritten graph is built per module object (``copy.deepcopy(model)`` shares this
+    wrapper, rebound to the copy, whose graph must call the copy's children)."""
 
     def __init__(self, module: torch.nn.Module, path: str, regions: list[Region]) -> None:
-        self.path, self.arity, self.warned = path, forward_arity(module), False
+        self.path, self.regions = path, tuple(regions)
+        self.arity, self.warned = forward_arity(module), False
+        self.built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.rewritten(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "built"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, built=weakref.WeakKeyDictionary())
+
+    def rewritten(self, module: torch.nn.Module) -> torch.fx.GraphModule:
+        """``module``'s traced forward with each planned span one call, built once."""
+        gm = self.built.get(module)
+        if gm is not None:
+            return gm
         gm = trace_parent(module)
         order = [n.name for n in call_nodes(gm)]
         named, by_name, stack = [], {}, []
-        for k, r in enumerate(sorted(regions, key=lambda r: _outer_first(r, order))):
+        for k, r in enumerate(sorted(self.regions, key=lambda r: _outer_first(r, order))):
             a, b = _node_span(r, order)
             while stack and stack[-1] < b:  # depth among this parent's spans
                 stack.pop()
@@ -475,8 +493,9 @@ class _ParentSpans(ForwardWrapper):
             named.append(NamedRegion(name, tuple(order[a:b]), len(stack), r.kind))
             by_name[name] = r
             stack.append(b)
-        self.gm = rewrite(gm, named)
-        _swap_spans(self.gm, by_name, module)
+        gm = self.built[module] = rewrite(gm, named)
+        _swap_spans(gm, by_name, module)
+        return gm
 
     def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and module.training):
@@ -493,7 +512,8 @@ class _ParentSpans(ForwardWrapper):
                     stacklevel=3,
                 )
             return self.run_original(module, *args, **kwargs)
-        return type(self.gm).forward(_OnModule(module, self.gm), *args, **kwargs)
+        gm = self.rewritten(module)
+        return type(gm).forward(_OnModule(module, gm), *args, **kwargs)
 
 
 def _node_span(region: Region, order: list[str]) -> tuple[int, int]:
