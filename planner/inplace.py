@@ -640,9 +640,7 @@ def check_fits(
         _check_shapes(model, shapes, source, fix)
 
 
-def _check_span(
-    module: torch.nn.Module, span: tuple[str, str, str], source: str, fix: str
-) -> None:
+def _check_span(module: torch.nn.Module, span: tuple[str, str, str], source: str, fix: str) -> None:
     """PlanFileError unless ``module``'s forward traces (``passes/parent_spans.py``) to a graph
     in which the span's first node is no later than its last."""
     path, first, last = span

@@ -3,9 +3,10 @@
 The test zoo's U-Net (``small_unet_example``: 2 levels, 4 channels, 32x32, batch 2) on the CPU,
 eager 414,084 B measured. Half of it is out of reach in every form and by every solver:
 
-- in place, dp's least is 81.6% of eager: the skips' ``torch.cat`` and ``F.max_pool2d`` run in
-  the root's own forward, which in place is no region (their outputs, 135,168 B at the peak, are
-  kept from the first forward);
+- in place, dp's least is 51.5% of eager (213,300 B), as the graph form's dp over every
+  interval: the skips' ``torch.cat`` and ``F.max_pool2d`` run in the root's own forward, whose
+  spans are regions in place too (``passes/parent_spans.py``; before they were, 81.6%: their
+  outputs, 135,168 B at the peak, were kept from the first forward);
 - the graph form, whose regions may span the root's ops, least 53.5% (dp), 56.6% (ilp, which
   states dp's least over flat regions), 51.5% (dp over every interval, nested); the best
   schedule found by annealing over some 120,000 laminar families scored by simulate, 208,020 B
@@ -21,9 +22,9 @@ regions (flat ones, by the exact MILP, no lower than 51.0%) and each checkpoint 
 the CPU RNG state (``torch.get_rng_state()``, 5,056 B; simulate's Rule 12): the six to eight
 calls whose frames are alive at the peak take 30-40 KiB, 7-10% of this small step, and that is
 what lies between the floor and half. Where the stash is not device memory (CUDA: its RNG
-states are CPU tensors, ``region_state_bytes`` 0), the graph form reaches 43.1%, in place still
-74.6%: the root's own ops. (``unet_example()``'s default U-Net, 3 levels, 16 channels, 64x64:
-graph form 42.1%, in place 74.6%.)
+states are CPU tensors, ``region_state_bytes`` 0), both forms reach 43.1% (in place 74.6% before
+the root's own ops were regions). (``unet_example()``'s default U-Net, 3 levels, 16 channels,
+64x64: graph form 42.1%, in place 42.1%, 74.6% before.)
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def test_no_form_or_solver_plans_the_small_unet_at_half_of_eager(unet):
         ("graph", "ilp"): _least(model, x, "graph", "ilp", time_limit_s=120),
     }
     assert all(half < b < eager_bytes for b in least.values()), least
-    # in place, the root's cats and max-pools are kept: far above the graph form
-    assert least["inplace", "dp"] > 0.75 * eager_bytes > least["graph", "dp"]
+    # in place, spans of the root's forward hold its cats and max-pools: as low as the graph form
+    assert least["inplace", "dp"] <= least["graph", "dp"] < 0.54 * eager_bytes
 
 
 @pytest.mark.slow
@@ -126,11 +127,11 @@ def test_the_floor_is_the_skips_gradients_and_the_rng_stashes_keep_the_cpu_above
     assert half < p.predicted_peak_bytes < 0.51 * eager_bytes
     assert simulate(free, best).peak_bytes < half
 
-    # On CUDA's model (no stash) the graph form reaches the floor's neighbourhood; in place
-    # it cannot: the root's own ops.
+    # On CUDA's model (no stash) both forms reach the floor's neighbourhood (in place: spans of
+    # the root's own forward, its cats and max-pools, among the regions).
     assert least_peak(free, EVERY_INTERVAL) < 0.44 * eager_bytes
     inplace = price_form(model, x, "inplace", device="cpu").graph
-    assert least_peak(_without_stash(inplace)) > 0.7 * eager_bytes
+    assert least_peak(_without_stash(inplace)) < 0.44 * eager_bytes
 
 
 def _annealed(priced: PricedGraph) -> Schedule:
