@@ -37,7 +37,7 @@ from __future__ import annotations
 import difflib
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -56,8 +56,10 @@ from planner.passes.op_timing import Timer
 from planner.passes.parent_spans import (
     NodeOps,
     forward_arity,
+    in_order,
     span_name,
     spans_of,
+    split_span,
     trace_parent,
     writes_in_place,
 )
@@ -101,6 +103,26 @@ class EagerGraph:
     # candidate path -> the buffers its forward writes (BatchNorm statistics), relative to it:
     # an applied region runs its recomputations on copies of them (``planner/inplace.py``)
     state_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the modules whose own forward was priced as its fx trace runs (``passes/parent_spans.py``;
+    # their storages' lifetimes: :func:`_python_lifetimes`): a plan runs that forward for each
+    # one holding a span or inside a region (``traced_forwards_needed``)
+    traced_forwards: tuple[str, ...] = ()
+
+    def traced_forwards_needed(self, regions: Iterable[tuple[int, int]]) -> tuple[str, ...]:
+        """The modules of ``traced_forwards`` that a plan of ``regions`` ([start, stop) node
+        intervals, each in ``spans``) runs traced: those holding a span of their own, or whose
+        call lies inside a region (their storages' lifetimes are then Python's)."""
+        regions = tuple(regions)
+        owners = {span[0] for r in regions if (span := split_span(self.spans[r])) is not None}
+        return tuple(
+            path
+            for path in self.traced_forwards
+            if path in owners
+            or any(
+                a <= self.module_spans[path][0] <= self.module_spans[path][1] <= b
+                for a, b in regions
+            )
+        )
 
     def op_sequence(self, start: int, stop: int) -> list[str]:
         """The overloads a selective-checkpoint policy sees in nodes [start, stop), in order."""
@@ -126,9 +148,10 @@ class _OpTracker(Tracker):
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
         self.aliased_args: set[str] = set()  # modules called with one tensor in two arguments
-        # module path -> how many arguments each call passed, when they were all tensors (else
-        # -1): a parent's spans run its traced forward, offered only for such calls
-        self.tensor_args: dict[str, list[int]] = defaultdict(list)
+        # module path -> per call, its arguments when they are all tensors (else None): how many
+        # positional, the keywords, each tensor's (shape, stride, dtype, device). A parent's
+        # spans run its traced forward, offered only for such calls (:func:`_parent_node_ops`)
+        self.tensor_args: dict[str, list[Any]] = defaultdict(list)
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -183,8 +206,11 @@ class _CallRecorder(ForwardWrapper):
         if len(ids) != len(set(ids)):
             tracker.aliased_args.add(self.path)
         values = (*args, *kwargs.values())
-        tensors_only = all(isinstance(a, torch.Tensor) for a in values)
-        tracker.tensor_args[self.path].append(len(values) if tensors_only else -1)
+        tracker.tensor_args[self.path].append(
+            (len(args), tuple(kwargs), [_tensor_meta(t) for t in values])
+            if all(isinstance(t, torch.Tensor) for t in values)
+            else None
+        )
         tracker.path_stack.append(self.path)
         try:
             return self.run_original(module, *args, **kwargs)
@@ -357,9 +383,9 @@ def eager_graph(
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
     parents, not_parents = _traceable_parents(model, calls, tracker)
-    lifetimes, parent_ops = _python_lifetimes(model, example_input, loss_fn, tracker, parents)
-    for path in parents.keys() - parent_ops:
-        not_parents[span_name(path, "", "")] = "its traced forward ran other ops than its own"
+    parent_ops = _parent_node_ops(model, example_input, tracker, parents, not_parents)
+    traced = {path: parents[path].gm for path in parent_ops}
+    lifetimes = _python_lifetimes(model, example_input, loss_fn, tracker, traced)
 
     graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
     meta = {**graph.meta, "precision": precision_text(model), "python_lifetimes": lifetimes}
@@ -375,8 +401,8 @@ def _python_lifetimes(
     example_input: Any,
     loss_fn: LossFn | None,
     tracker: _OpTracker,
-    parents: dict[str, _Parent],
-) -> tuple[str, dict[str, dict[str, tuple[int, int]]]]:
+    traced: dict[str, fx.GraphModule],
+) -> str:
     """Learn when Python drops the storages autograd saved, and note it in ``tracker.died_at``.
 
     A storage saved for backward outlives the forward in the priced run, so its finalizer never
@@ -389,13 +415,14 @@ def _python_lifetimes(
     storage dies when Python drops it; its ops are matched to the priced run's by name
     (``<module path>:<op>:<k>``), op and output shapes, and each saved storage takes the death
     of its counterpart (an op of that run that the priced run lacks maps to the priced run's
-    node before the next match: later, on the safe side).
+    node before the next match: later, on the safe side). Returns how it went, for the graph's
+    ``meta``.
 
-    ``parents`` (path -> traced forward, :func:`_traceable_parents`) run their traced forward
-    in that run (``parent_spans.NodeOps``), to learn which ops each of their fx call nodes
-    runs: the node intervals of each whose ops there are the priced run's, same names, same
-    overloads and shapes, in the priced run's numbering. Returns (how the lifetimes went, for
-    the graph's ``meta``; parent path -> fx node name -> [start, stop) of its ops).
+    The modules in ``traced`` (path -> traced forward: ``passes/parent_spans.py``) run their
+    traced forward in that run, as an applied plan runs them where their storages' lifetimes
+    count: inside a region (``EagerGraph.traced_forwards``). fx's code drops each value at its
+    last use; the module's own code may hold it longer (the U-Net's list of skips: 232,640 B
+    least, measured 221,420 B, priced on the original forward; 213,300 B, exact, on the traced).
     """
     saved = [
         (i, j, rec)
@@ -404,18 +431,17 @@ def _python_lifetimes(
         for j, rec in enumerate(recs)
         if rec.saved_by and id(rec) not in tracker.died_at and id(rec) not in tracker.casts
     ]
-    if not saved and not parents:
-        return "no saved storage", {}
+    if not saved:
+        return "no saved storage"
     other = _OpTracker()
     fs = fake_step(model, example_input, other)
     call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
     _, kwargs = split_input(example_input)
-    node_ops: dict[str, NodeOps] = {}
     try:
         with (
             _mask_decisions_as_eager(kwargs),
-            _running_traced(model, parents, other, node_ops),
-            _recording_calls(model, other) as other_calls,
+            _running_traced(model, traced),
+            _recording_calls(model, other),
             fs.running(),
             torch.no_grad(),
         ):
@@ -426,17 +452,9 @@ def _python_lifetimes(
             other.recording = False
             del out
     except Exception as e:  # noqa: BLE001 - the priced run stands; only these lifetimes are lost
-        return f"unknown for saved storages (the forward under no_grad failed: {e!r:.200})", {}
+        return f"unknown for saved storages (the forward under no_grad failed: {e!r:.200})"
     key = [(r.name, r.op, tuple(r.shapes)) for r in tracker.records]
     key_other = [(r.name, r.op, tuple(r.shapes)) for r in other.records]
-    parent_ops = {}
-    for path, run in node_ops.items():
-        (s, e), (s_other, e_other, _) = parents[path].span, other_calls[path][0]
-        if key[s:e] == key_other[s_other:e_other]:
-            shift = s - s_other
-            parent_ops[path] = {n: (a + shift, b + shift) for n, (a, b) in run.ops.items()}
-    if not saved:
-        return "no saved storage", parent_ops
     to_priced: dict[int, int] = {}  # node of the no_grad run -> the priced run's node
     if key == key_other:
         to_priced = {k: k for k in range(len(key))}
@@ -461,15 +479,21 @@ def _python_lifetimes(
         if died is not None and died >= 0:
             tracker.died_at[id(rec)] = later[died]
             held += 1
-    return f"from a forward under no_grad: {held} of {len(saved)} saved storages", parent_ops
+    return f"from a forward under no_grad: {held} of {len(saved)} saved storages"
 
 
 @dataclass(frozen=True)
 class _Parent:
-    """A module whose own forward may hold spans: its traced forward, its call's op interval."""
+    """A module whose own forward may hold spans: its traced forward, its call's op interval
+    and arguments (``_OpTracker.tensor_args``)."""
 
     gm: fx.GraphModule
     span: tuple[int, int]
+    call: tuple[int, tuple[str, ...], list[tuple[Any, ...]]]
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 def _traceable_parents(
@@ -491,8 +515,8 @@ def _traceable_parents(
         if not grad or not any(tracker.records[i].module_path == path for i in range(start, stop)):
             continue
         try:
-            arity = forward_arity(module)
-            if tracker.tensor_args[path] != [arity]:
+            arity, (call,) = forward_arity(module), tracker.tensor_args[path]
+            if call is None or len(call[2]) != arity:
                 raise ValueError("it is not called with one tensor for each forward parameter")
             gm = trace_parent(module)
             if (node := writes_in_place(gm)) is not None:
@@ -500,37 +524,87 @@ def _traceable_parents(
         except Exception as e:  # noqa: BLE001 - fx's errors are many; a parent offers no spans
             why[span_name(path, "", "")] = f"no spans of its own forward: {e}"[:300]
             continue
-        parents[path] = _Parent(gm, (start, stop))
+        parents[path] = _Parent(gm, (start, stop), call)
     return parents, why
 
 
-@contextmanager
-def _running_traced(
+def _parent_node_ops(
     model: torch.nn.Module,
-    parents: dict[str, _Parent],
+    example_input: Any,
     tracker: _OpTracker,
-    runs: dict[str, NodeOps],
-) -> Iterator[None]:
-    """Run each parent's traced forward in place of its own, its call nodes' op intervals
-    noted in ``runs[path]``."""
+    parents: dict[str, _Parent],
+    why: dict[str, str],
+) -> dict[str, dict[str, tuple[int, int]]]:
+    """Parent path -> fx node name -> [start, stop): the priced step's ops each call node of
+    the parent's traced forward runs. Each parent is called alone, under no_grad on fake
+    tensors shaped as its priced call's arguments, twice: its own forward, then its traced
+    forward (``parent_spans.NodeOps``). Only parents whose two runs dispatch the priced call's
+    ops (names, overloads, output shapes) offer spans; the others are noted in ``why``."""
+    if not parents:
+        return {}
+    other = _OpTracker()
+    fs = fake_step(model, example_input, other)
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def key(start: int) -> list[tuple[Any, ...]]:
+        return [(r.name, r.op, tuple(r.shapes)) for r in other.records[start:]]
+
+    with _recording_calls(model, other), fs.running(), torch.no_grad():
+        for path, parent in parents.items():
+            module = model.get_submodule(path)
+            n_args, names, metas = parent.call
+            values = [torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in metas]
+            args, kwargs = values[:n_args], dict(zip(names, values[n_args:], strict=True))
+            runs = []
+            try:
+                for traced in (False, True):
+                    other.counts.clear()
+                    start, other.recording = len(other.records), True
+                    with amp_forward():
+                        if traced:  # its ops named as the module's, as a call of it names them
+                            run = NodeOps(module, parent.gm, lambda: len(other.records))
+                            other.path_stack.append(path)
+                            try:
+                                run.run(*in_order(module, args, kwargs))
+                            finally:
+                                other.path_stack.pop()
+                        else:
+                            module(*args, **kwargs)
+                    other.claim_pending()
+                    other.recording = False
+                    runs.append((start, key(start)))
+            except Exception as e:  # noqa: BLE001 - this parent offers no spans
+                why[span_name(path, "", "")] = f"no spans of its own forward: {e!r:.200}"
+                continue
+            finally:
+                other.recording = False
+            priced = [(r.name, r.op, tuple(r.shapes)) for r in tracker.records[slice(*parent.span)]]
+            if not runs[0][1] == runs[1][1] == priced:
+                why[span_name(path, "", "")] = "its traced forward runs other ops than its own"
+                continue
+            shift = parent.span[0] - runs[1][0]
+            out[path] = {n: (a + shift, b + shift) for n, (a, b) in run.ops.items()}
+    return out
+
+
+@contextmanager
+def _running_traced(model: torch.nn.Module, traced: dict[str, fx.GraphModule]) -> Iterator[None]:
+    """Each module of ``traced`` runs its traced forward (on its live attributes) meanwhile."""
 
     class Traced(ForwardWrapper):
-        def __init__(self, path: str) -> None:
-            self.path = path
+        def __init__(self, gm: fx.GraphModule) -> None:
+            self.gm = gm
 
-        def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
-            run = runs[self.path] = NodeOps(module, parents[self.path].gm, counter)
-            return run.run(*args)
+        def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            run = fx.Interpreter(module, graph=self.gm.graph)
+            return run.run(*in_order(module, args, kwargs))
 
-    def counter() -> int:
-        return len(tracker.records)
-
-    installed = []
+    installed: list[tuple[Traced, torch.nn.Module]] = []
     try:
-        for path in parents:
-            wrapper = Traced(path)
-            wrapper.install(model.get_submodule(path))
-            installed.append((wrapper, model.get_submodule(path)))
+        for path, gm in traced.items():
+            wrapper, module = Traced(gm), model.get_submodule(path)
+            wrapper.install(module)
+            installed.append((wrapper, module))
         yield
     finally:
         for wrapper, module in reversed(installed):
@@ -576,6 +650,7 @@ def _with_parent_spans(
         spans=spans,
         refused={**eg.refused, **refused},
         state_buffers=state,
+        traced_forwards=tuple(parent_ops),
     )
 
 

@@ -58,6 +58,13 @@ def forward_arity(module: torch.nn.Module) -> int:
     return len(params)
 
 
+def in_order(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """A call's arguments in the order of ``module``'s forward parameters (its traced graph's
+    placeholders)."""
+    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    return list(bound.arguments.values())[1:]
+
+
 def trace_parent(module: torch.nn.Module) -> fx.GraphModule:
     """``module``'s own forward as an fx graph, every submodule one ``call_module`` node.
 

@@ -359,13 +359,19 @@ def _updating_once(
 
 
 def apply_regions(
-    model: torch.nn.Module, regions: tuple[Region, ...], plan: Plan | None = None
+    model: torch.nn.Module,
+    regions: tuple[Region, ...],
+    plan: Plan | None = None,
+    traced_forwards: tuple[str, ...] = (),
 ) -> torch.nn.Module:
     """Wrap each region's module of ``model`` in place (any earlier plan is removed first), and
-    record ``plan`` on it, Hugging Face's own checkpointing turned off (hf_checkpointing.py)."""
+    record ``plan`` on it, Hugging Face's own checkpointing turned off (hf_checkpointing.py).
+    ``traced_forwards``: modules that run their traced forward (``_ParentSpans``) even without
+    a span of their own, as the plan priced them."""
     remove(model)
-    wrap_regions(model, regions)
-    hf_checkpointing.mark_applied(model, plan, regions, wrap_regions, unwrap_regions)
+    wrap = functools.partial(wrap_regions, traced_forwards=traced_forwards)
+    wrap(model, regions)
+    hf_checkpointing.mark_applied(model, plan, regions, wrap, unwrap_regions)
     return model
 
 
@@ -538,12 +544,14 @@ def _swap_spans(
             gm._modules[name] = _SpanCall(_SpanForward(by_name[name], mod.body), parent)
 
 
-def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
+def wrap_regions(
+    model: torch.nn.Module, regions: tuple[Region, ...], traced_forwards: tuple[str, ...] = ()
+) -> None:
     # spans first, then runs: a region over the whole module wraps the forward that runs them
-    parents: dict[str, list[Region]] = defaultdict(list)
+    parents: dict[str, list[Region]] = {path: [] for path in traced_forwards}
     for region in regions:
         if (span := split_span(region.name)) is not None:
-            parents[span[0]].append(region)
+            parents.setdefault(span[0], []).append(region)
     for path, spans in parents.items():
         module = model.get_submodule(path)
         _ParentSpans(module, path, spans).install(module)
@@ -591,10 +599,12 @@ def check_fits(
     regions: tuple[Region, ...],
     source: str,
     shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
+    traced_forwards: tuple[str, ...] = (),
 ) -> None:
     """PlanFileError naming the first way ``model`` differs from the one ``source`` was made
-    for: its class, a region's module path or class, any module of the tree, then the first
-    parameter whose shape differs (``shapes``; empty: not checked)."""
+    for: its class, a region's module path or class (a span's nodes), a module that runs its
+    traced forward (``traced_forwards``), any module of the tree, then the first parameter
+    whose shape differs (``shapes``; empty: not checked)."""
     fix = "Plan this model with planner.plan(..., form='inplace') and save that plan."
     if type(model).__name__ != model_class:
         raise PlanFileError(
@@ -625,6 +635,15 @@ def check_fits(
             )
         if span is not None:
             _check_span(module, span, source, fix)
+    for path in traced_forwards:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise PlanFileError(
+                f"{source} runs the traced forward of module {path!r}, which this model does "
+                f"not have. {fix}"
+            ) from None
+        _check_span(module, (path, "", ""), source, fix)
     ours = module_tree(model)
     for (path, kind), (their_path, their_kind) in zip(tree, ours):
         if (path, kind) != (their_path, their_kind):
@@ -648,9 +667,11 @@ def _check_span(module: torch.nn.Module, span: tuple[str, str, str], source: str
         order = [n.name for n in call_nodes(trace_parent(module))]
     except Exception as e:  # noqa: BLE001 - whatever fx raises
         raise PlanFileError(
-            f"{source} checkpoints a span of {path!r}'s own forward, which torch.fx cannot "
+            f"{source} runs {path!r}'s own forward as torch.fx traces it, which fx cannot "
             f"trace here ({type(e).__name__}: {e}). {fix}"
         ) from None
+    if not first:  # a traced forward without a span of its own
+        return
     for node in (first, last):
         if node not in order:
             raise PlanFileError(
