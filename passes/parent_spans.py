@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,13 +31,26 @@ from planner.passes.rewrite import CALL_OPS, _written
 # 8, 67, 3.0 s, 4.4% higher.
 MAX_SPAN_CUTS = 16
 
-_SPAN_NAME = re.compile(r"(?P<path>[^()]*)\((?P<first>\w+)\.\.(?P<last>\w+)\)")
+_SPAN_NAME = re.compile(r"(?P<path>[^()]*)\((?P<first>[\w.]+?)\.\.(?P<last>[\w.]+)\)")
 
 
 def span_name(path: str, first: str, last: str) -> str:
-    """The in-place region name of the span of module ``path`` from fx node ``first`` to
-    ``last`` (inclusive): ``(max_pool2d..down_0)`` at the root, ``blocks.0.mlp(mul..down)``."""
+    """The in-place region name of the span of module ``path`` from its call node labelled
+    ``first`` to the one labelled ``last`` (inclusive; :func:`node_labels`):
+    ``(max_pool2d..down.0)`` at the root, ``blocks.0.mlp(fc..proj)``."""
     return f"{path}({first}..{last})"
+
+
+def node_labels(gm: fx.GraphModule) -> list[str]:
+    """What span names call each call node of ``gm``, in order: a child's call by the child's
+    path (relative to the parent) where it is called once, any other node by its fx name."""
+    order = call_nodes(gm)
+    called = Counter(str(n.target) for n in order if n.op == "call_module")
+    labels = [
+        str(n.target) if n.op == "call_module" and called[str(n.target)] == 1 else n.name
+        for n in order
+    ]
+    return labels if len(set(labels)) == len(labels) else [n.name for n in order]
 
 
 def split_span(name: str) -> tuple[str, str, str] | None:
@@ -107,12 +121,13 @@ class NodeOps(fx.Interpreter):
 def spans_of(
     gm: fx.GraphModule, ops: dict[str, tuple[int, int]]
 ) -> Iterator[tuple[str, str, tuple[int, int], list[str]]]:
-    """(first node, last node, op interval, child module targets called) of every candidate
+    """(first node's label, last node's, op interval, child module targets called) of every
+    candidate
     span of the parent traced as ``gm`` whose call nodes ran ops ``ops``: from a node that
     runs ops to a later one (or the same, unless it is a child's call, that child's region),
     not all of the parent (the parent's own region). Spans start and end at most
     MAX_SPAN_CUTS places (every k-th node that runs ops)."""
-    order = call_nodes(gm)
+    order, labels = call_nodes(gm), node_labels(gm)
     working = [k for k, n in enumerate(order) if ops[n.name][1] > ops[n.name][0]]
     stride = -(-len(working) // MAX_SPAN_CUTS)
     cuts = working[::stride]
@@ -126,4 +141,4 @@ def spans_of(
             nodes = order[a : b + 1]
             children = [str(n.target) for n in nodes if n.op == "call_module"]
             interval = (ops[order[a].name][0], ops[order[b].name][1])
-            yield order[a].name, order[b].name, interval, children
+            yield labels[a], labels[b], interval, children

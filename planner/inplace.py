@@ -66,8 +66,9 @@ from planner import hf_checkpointing
 from planner.guard import remove_guard
 from planner.offload import offloaded_call
 from planner.passes.forward_wrapper import ForwardWrapper
-from planner.passes.parent_spans import call_nodes, forward_arity, split_span, trace_parent
+from planner.passes.parent_spans import forward_arity, node_labels, split_span, trace_parent
 from planner.passes.rewrite import (
+    CALL_OPS,
     CheckpointRegion,
     NamedRegion,
     _outside_selective_checkpointing,
@@ -489,10 +490,10 @@ class _ParentSpans(ForwardWrapper):
         if gm is not None:
             return gm
         gm = trace_parent(module)
-        order = [n.name for n in call_nodes(gm)]
+        order, labels = [n.name for n in gm.graph.nodes if n.op in CALL_OPS], node_labels(gm)
         named, by_name, stack = [], {}, []
-        for k, r in enumerate(sorted(self.regions, key=lambda r: _outer_first(r, order))):
-            a, b = _node_span(r, order)
+        for k, r in enumerate(sorted(self.regions, key=lambda r: _outer_first(r, labels))):
+            a, b = _node_span(r, labels)
             while stack and stack[-1] < b:  # depth among this parent's spans
                 stack.pop()
             name = f"ckpt_span_{k}"
@@ -522,14 +523,14 @@ class _ParentSpans(ForwardWrapper):
         return type(gm).forward(_OnModule(module, gm), *args, **kwargs)
 
 
-def _node_span(region: Region, order: list[str]) -> tuple[int, int]:
-    """[a, b) of a span region's fx call nodes in ``order``."""
+def _node_span(region: Region, labels: list[str]) -> tuple[int, int]:
+    """[a, b) of a span region's fx call nodes, labelled ``labels`` in order."""
     _, first, last = split_span(region.name)  # type: ignore[misc]
-    return order.index(first), order.index(last) + 1
+    return labels.index(first), labels.index(last) + 1
 
 
-def _outer_first(region: Region, order: list[str]) -> tuple[int, int]:
-    a, b = _node_span(region, order)
+def _outer_first(region: Region, labels: list[str]) -> tuple[int, int]:
+    a, b = _node_span(region, labels)
     return a, -b
 
 
@@ -664,7 +665,7 @@ def _check_span(module: torch.nn.Module, span: tuple[str, str, str], source: str
     in which the span's first node is no later than its last."""
     path, first, last = span
     try:
-        order = [n.name for n in call_nodes(trace_parent(module))]
+        order = node_labels(trace_parent(module))
     except Exception as e:  # noqa: BLE001 - whatever fx raises
         raise PlanFileError(
             f"{source} runs {path!r}'s own forward as torch.fx traces it, which fx cannot "
