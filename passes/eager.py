@@ -621,9 +621,9 @@ def _with_parent_spans(
 ) -> EagerGraph:
     """``eg`` with the spans of each parent's own forward (``parent_spans.spans_of``) among its
     candidates, named ``path(first..last)``: those no in-place write crosses, that write only
-    buffers of the children they call, every one of those (a region's recomputation runs on
-    copies of all of them: ``rewrite.CheckpointRegion``, priced as the written ones, Rule 9).
-    A span some module call or run already is keeps that one's name."""
+    buffers of the children they call (BatchNorm statistics: an applied span recomputes on
+    copies of them, ``planner/inplace.py``, Rule 9). A span some module call or run already is
+    keeps that one's name."""
     forbidden = forbidden_cuts(eg.graph)
     spans, state = dict(eg.spans), dict(eg.state_buffers)
     for path, ops in parent_ops.items():
@@ -638,7 +638,7 @@ def _with_parent_spans(
                 for child in children
                 for b, _ in parent.get_submodule(child).named_buffers()
             }
-            if names != owned:  # state of others, or buffers copied that are not priced
+            if not names <= owned:  # state of other modules (or none's: None)
                 continue
             name = span_name(path, first, last)
             spans[(start, stop)] = name

@@ -84,6 +84,8 @@ def test_a_saved_plan_reapplies_its_spans(unet, tmp_path):
     fresh, plain = copy.deepcopy(model), copy.deepcopy(model)
     planner.apply_plan(fresh, path)
     assert planner.applied_plan(fresh).regions == p.regions
+    # the root runs its traced forward, as priced (its spans are regions)
+    assert planner.applied_plan(fresh).traced_forwards == p.traced_forwards == ("",)
     assert _bitwise(_step(fresh, x)[0], _step(plain, x)[0])
 
     # a span naming a node the traced forward lacks: refused, naming it
@@ -95,6 +97,10 @@ def test_a_saved_plan_reapplies_its_spans(unet, tmp_path):
     with pytest.raises(planner.PlanFileError, match="no node 'no_such_node'"):
         planner.apply_plan(copy.deepcopy(model), path)
     assert json.loads(path.read_text())["version"] == 1
+    # a module to run traced that the model lacks: refused, naming it
+    replace(p, target=replace(p.target, traced_forwards=("nope",))).save(path)
+    with pytest.raises(planner.PlanFileError, match="traced forward of module 'nope'"):
+        planner.apply_plan(copy.deepcopy(model), path)
 
 
 def test_a_residual_cnn_plans_its_blocks_own_ops_in_place():
