@@ -54,6 +54,7 @@ from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.op_timing import Timer
 from planner.passes.parent_spans import (
+    MAX_SPAN_CUTS,
     NodeOps,
     forward_arity,
     in_order,
@@ -103,22 +104,24 @@ class EagerGraph:
     # candidate path -> the buffers its forward writes (BatchNorm statistics), relative to it:
     # an applied region runs its recomputations on copies of them (``planner/inplace.py``)
     state_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # the modules whose own forward was priced as its fx trace runs (``passes/parent_spans.py``;
-    # their storages' lifetimes: :func:`_python_lifetimes`): a plan runs that forward for each
-    # one holding a span or inside a region (``traced_forwards_needed``)
+    # the modules with spans whose traced forward drops some storage earlier than their own
+    # forward does, priced as the traced forward runs (their storages' lifetimes:
+    # :func:`_python_lifetimes`): a plan runs that forward for each one inside a region
+    # (``traced_forwards_needed``)
     traced_forwards: tuple[str, ...] = ()
 
     def traced_forwards_needed(self, regions: Iterable[tuple[int, int]]) -> tuple[str, ...]:
-        """The modules of ``traced_forwards`` that a plan of ``regions`` ([start, stop) node
-        intervals, each in ``spans``) runs traced: those holding a span of their own, or whose
-        call lies inside a region (their storages' lifetimes are then Python's)."""
+        """The modules a plan of ``regions`` ([start, stop) node intervals, each in ``spans``)
+        runs as their fx trace does (``passes/parent_spans.py``): those holding a span of their
+        own, and those of ``traced_forwards`` whose call lies inside a region (their storages'
+        lifetimes are then Python's, priced as the traced forward drops them)."""
         regions = tuple(regions)
         owners = {span[0] for r in regions if (span := split_span(self.spans[r])) is not None}
-        return tuple(
+        return tuple(sorted(owners)) + tuple(
             path
             for path in self.traced_forwards
-            if path in owners
-            or any(
+            if path not in owners
+            and any(
                 a <= self.module_spans[path][0] <= self.module_spans[path][1] <= b
                 for a, b in regions
             )
@@ -336,8 +339,13 @@ def eager_graph(
     time_ops: bool = False,
     step_time: StepTime | None = None,
     timer: Timer | None = None,
+    parent_spans: bool = True,
 ) -> EagerGraph:
     """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring).
+
+    ``parent_spans``: offer spans of modules' own forwards as candidates
+    (``passes/parent_spans.py``; off for FSDP2 plans, whose units' hooks they are not yet
+    measured with).
 
     ``rates``: the device to price time for (the planner passes the model's own device's,
     ``planner.devices.profile_of_model``);
@@ -382,9 +390,11 @@ def eager_graph(
     # node -> the model state it writes, by buffer name (None: state that is no buffer)
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
-    parents, not_parents = _traceable_parents(model, calls, tracker)
-    parent_ops = _parent_node_ops(model, example_input, tracker, parents, not_parents)
-    traced = {path: parents[path].gm for path in parent_ops}
+    parents, not_parents = _traceable_parents(model, calls, tracker) if parent_spans else ({}, {})
+    parent_ops, held_otherwise = _parent_node_ops(
+        model, example_input, tracker, parents, not_parents
+    )
+    traced = {path: parents[path].gm for path in held_otherwise}
     lifetimes = _python_lifetimes(model, example_input, loss_fn, tracker, traced)
 
     graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
@@ -393,7 +403,8 @@ def eager_graph(
     if time_ops:
         graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
     eg = _candidates(model, graph, calls, written, tracker.aliased_args)
-    return _with_parent_spans(model, eg, parents, parent_ops, written, not_parents)
+    eg = _with_parent_spans(model, eg, parents, parent_ops, written, not_parents)
+    return replace(eg, traced_forwards=tuple(traced))
 
 
 def _python_lifetimes(
@@ -534,20 +545,33 @@ def _parent_node_ops(
     tracker: _OpTracker,
     parents: dict[str, _Parent],
     why: dict[str, str],
-) -> dict[str, dict[str, tuple[int, int]]]:
-    """Parent path -> fx node name -> [start, stop): the priced step's ops each call node of
-    the parent's traced forward runs. Each parent is called alone, under no_grad on fake
-    tensors shaped as its priced call's arguments, twice: its own forward, then its traced
-    forward (``parent_spans.NodeOps``). Only parents whose two runs dispatch the priced call's
-    ops (names, overloads, output shapes) offer spans; the others are noted in ``why``."""
+) -> tuple[dict[str, dict[str, tuple[int, int]]], set[str]]:
+    """(parent path -> fx node name -> [start, stop): the priced step's ops each call node of
+    the parent's traced forward runs; the parents whose traced forward drops some storage at
+    another op than their own forward does).
+
+    Each parent is called alone, under no_grad on fake tensors shaped as its priced call's
+    arguments, twice: its own forward, then its traced forward (``parent_spans.NodeOps``).
+    Only parents whose two runs dispatch the priced call's ops (names, overloads, output
+    shapes) offer spans; the others are noted in ``why``. fx's code drops each value at its
+    last use, a module's own code may hold it longer (the U-Net's list of skips)."""
     if not parents:
-        return {}
+        return {}, set()
     other = _OpTracker()
     fs = fake_step(model, example_input, other)
     out: dict[str, dict[str, tuple[int, int]]] = {}
+    held_otherwise: set[str] = set()
 
     def key(start: int) -> list[tuple[Any, ...]]:
         return [(r.name, r.op, tuple(r.shapes)) for r in other.records[start:]]
+
+    def deaths(start: int) -> list[int | None]:
+        """When Python dropped each storage the run allocated, by op, from its start."""
+        return [
+            None if (d := other.died_at.get(id(rec))) is None else d - start
+            for i in range(start, len(other.records))
+            for rec in other.allocated.get(("fwd", i), [])
+        ]
 
     with _recording_calls(model, other), fs.running(), torch.no_grad():
         for path, parent in parents.items():
@@ -572,7 +596,7 @@ def _parent_node_ops(
                             module(*args, **kwargs)
                     other.claim_pending()
                     other.recording = False
-                    runs.append((start, key(start)))
+                    runs.append((start, key(start), deaths(start)))
             except Exception as e:  # noqa: BLE001 - this parent offers no spans
                 why[span_name(path, "", "")] = f"no spans of its own forward: {e!r:.200}"
                 continue
@@ -584,7 +608,9 @@ def _parent_node_ops(
                 continue
             shift = parent.span[0] - runs[1][0]
             out[path] = {n: (a + shift, b + shift) for n, (a, b) in run.ops.items()}
-    return out
+            if runs[0][2] != runs[1][2]:
+                held_otherwise.add(path)
+    return out, held_otherwise
 
 
 @contextmanager
@@ -611,6 +637,42 @@ def _running_traced(model: torch.nn.Module, traced: dict[str, fx.GraphModule]) -
             wrapper.uninstall(module)
 
 
+# At most this many spans of parents' own forwards in all (dp's time grows fast with candidates:
+# a Llama-7B shape of 4 layers offered 483 more, past dp's 60 s limit), outer parents first.
+MAX_PARENT_SPANS = 128
+
+
+def _span_cuts(
+    parent_ops: dict[str, dict[str, tuple[int, int]]],
+    parents: dict[str, _Parent],
+    refused: dict[str, str],
+) -> Iterator[tuple[str, dict[str, tuple[int, int]], int]]:
+    """(path, node ops, cuts) of each parent to offer spans of, within MAX_PARENT_SPANS: level
+    by level from the root, every parent of a level at the same most cuts (``spans_of``'s
+    ``max_cuts``) the spans left allow, down to 2; the parents left out are noted in
+    ``refused``."""
+    left = MAX_PARENT_SPANS
+    levels: dict[int, list[str]] = defaultdict(list)
+    for path in parent_ops:
+        levels[path.count(".") + bool(path)].append(path)
+    for depth in sorted(levels):
+        paths = levels[depth]
+        share = left // len(paths)
+        cuts = MAX_SPAN_CUTS
+        while cuts >= 2 and cuts * (cuts + 1) // 2 > share:
+            cuts -= 1
+        for path in paths:
+            working = sum(b > a for a, b in parent_ops[path].values())
+            if cuts < 2:
+                refused[span_name(path, "", "")] = (
+                    f"no spans of its own forward: the model's {MAX_PARENT_SPANS} are taken by "
+                    f"outer modules"
+                )
+                continue
+            left -= min(cuts, working) * (min(cuts, working) + 1) // 2
+            yield path, parent_ops[path], cuts
+
+
 def _with_parent_spans(
     model: torch.nn.Module,
     eg: EagerGraph,
@@ -626,10 +688,10 @@ def _with_parent_spans(
     keeps that one's name."""
     forbidden = forbidden_cuts(eg.graph)
     spans, state = dict(eg.spans), dict(eg.state_buffers)
-    for path, ops in parent_ops.items():
+    for path, ops, cuts in _span_cuts(parent_ops, parents, refused):
         parent = model.get_submodule(path)
         prefix = f"{path}." if path else ""
-        for first, last, (start, stop), children in spans_of(parents[path].gm, ops):
+        for first, last, (start, stop), children in spans_of(parents[path].gm, ops, cuts):
             if (start, stop) in spans or start in forbidden or stop in forbidden:
                 continue
             names = set().union(*(written.get(i, ()) for i in range(start, stop)))
@@ -650,7 +712,6 @@ def _with_parent_spans(
         spans=spans,
         refused={**eg.refused, **refused},
         state_buffers=state,
-        traced_forwards=tuple(parent_ops),
     )
 
 

@@ -119,17 +119,17 @@ class NodeOps(fx.Interpreter):
 
 
 def spans_of(
-    gm: fx.GraphModule, ops: dict[str, tuple[int, int]]
+    gm: fx.GraphModule, ops: dict[str, tuple[int, int]], max_cuts: int = MAX_SPAN_CUTS
 ) -> Iterator[tuple[str, str, tuple[int, int], list[str]]]:
     """(first node's label, last node's, op interval, child module targets called) of every
     candidate
     span of the parent traced as ``gm`` whose call nodes ran ops ``ops``: from a node that
     runs ops to a later one (or the same, unless it is a child's call, that child's region),
-    not all of the parent (the parent's own region). Spans start and end at most
-    MAX_SPAN_CUTS places (every k-th node that runs ops)."""
+    not all of the parent (the parent's own region). Spans start and end at most ``max_cuts``
+    places (every k-th node that runs ops)."""
     order, labels = call_nodes(gm), node_labels(gm)
     working = [k for k, n in enumerate(order) if ops[n.name][1] > ops[n.name][0]]
-    stride = -(-len(working) // MAX_SPAN_CUTS)
+    stride = -(-len(working) // max_cuts)
     cuts = working[::stride]
     ends = sorted({*working[stride - 1 :: stride], working[-1]}) if working else []
     for a in cuts:

@@ -213,6 +213,7 @@ def price_inplace(
                 rates=device or profile_of_model(model),
                 time_ops=timer is not None,
                 timer=timer,
+                parent_spans=fsdp is None,
             )
         return eg if fsdp is None else per_rank(model, eg, fsdp)
 
