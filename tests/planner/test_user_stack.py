@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from planner.planning import price_form
 from planner.passes.parent_spans import split_span
+from planner.planning import price_form
 from planner.plans import split_run
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.errors import UnsupportedModelError
