@@ -592,6 +592,7 @@ def _parent_node_ops(
                                 run.run(*in_order(module, args, kwargs))
                             finally:
                                 other.path_stack.pop()
+                                run.env.clear()  # its output, as a call's, dies now
                         else:
                             module(*args, **kwargs)
                     other.claim_pending()
