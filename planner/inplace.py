@@ -9,7 +9,13 @@ A region is one submodule (every call of it; the planner only offers modules cal
 step), or a run of consecutive children of an ``nn.Sequential`` (``blocks[0:3]``,
 ``_RunForward``): the Sequential's forward is then ``_SequentialRuns``, which calls its children
 in turn as nn.Sequential does, each run as one checkpointed call exactly like a module region's
-(nested runs and child regions inside it).
+(nested runs and child regions inside it), or a span of a module's own forward
+(``(max_pool2d..down.0)``, ``blocks.0.mlp(fc..proj)``: ``passes/parent_spans.py``): that
+module's forward is then ``_ParentSpans``, its torch.fx trace (children as leaves) rewritten by
+``passes/rewrite.py`` so that each span is one call, run by the same runner as a module region
+(``_SpanForward``) on the module's own attributes and children. A module whose traced forward
+drops values earlier than its own code and that lies inside a region runs traced too
+(``InplaceTarget.traced_forwards``: the plan was priced so).
 
 Applying a plan replaces each region module's ``forward`` by an instance attribute
 (``passes/forward_wrapper.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
