@@ -29,7 +29,11 @@ region's recomputation runs on copies of, so they are updated once per step. Run
 more consecutive children of an ``nn.Sequential`` (named ``path[a:b]``) are candidates too
 (:func:`_sequential_runs`): one region per child holds every child's input at the last one's
 backward, a run nested over them frees those inputs (ResidualCNN, 4 blocks: least 51.6% of
-eager with one region per block, 43.2% with runs).
+eager with one region per block, 43.2% with runs). So are spans of a module's own forward, its
+own ops and child calls together, where torch.fx traces it with its children as leaves and the
+trace runs the module's ops (:func:`_traceable_parents`, :func:`_parent_node_ops`,
+``passes/parent_spans.py``): the U-Net's root, whose ``cat``s and max-pools are no module's
+(least 81.6% of eager without them, 51.5% with them).
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ from __future__ import annotations
 import difflib
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -52,6 +57,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.op_timing import Timer
+from planner.passes.parent_spans import (
+    MAX_SPAN_CUTS,
+    NodeOps,
+    forward_arity,
+    in_order,
+    span_name,
+    spans_of,
+    split_span,
+    trace_parent,
+    writes_in_place,
+)
 from planner.passes.step import (
     LossFn,
     StepTime,
@@ -92,6 +108,28 @@ class EagerGraph:
     # candidate path -> the buffers its forward writes (BatchNorm statistics), relative to it:
     # an applied region runs its recomputations on copies of them (``planner/inplace.py``)
     state_buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the modules with spans whose traced forward drops some storage earlier than their own
+    # forward does, priced as the traced forward runs (their storages' lifetimes:
+    # :func:`_python_lifetimes`): a plan runs that forward for each one inside a region
+    # (``traced_forwards_needed``)
+    traced_forwards: tuple[str, ...] = ()
+
+    def traced_forwards_needed(self, regions: Iterable[tuple[int, int]]) -> tuple[str, ...]:
+        """The modules a plan of ``regions`` ([start, stop) node intervals, each in ``spans``)
+        runs as their fx trace does (``passes/parent_spans.py``): those holding a span of their
+        own, and those of ``traced_forwards`` whose call lies inside a region (their storages'
+        lifetimes are then Python's, priced as the traced forward drops them)."""
+        regions = tuple(regions)
+        owners = {span[0] for r in regions if (span := split_span(self.spans[r])) is not None}
+        return tuple(sorted(owners)) + tuple(
+            path
+            for path in self.traced_forwards
+            if path not in owners
+            and any(
+                a <= self.module_spans[path][0] <= self.module_spans[path][1] <= b
+                for a, b in regions
+            )
+        )
 
     def op_sequence(self, start: int, stop: int) -> list[str]:
         """The overloads a selective-checkpoint policy sees in nodes [start, stop), in order."""
@@ -117,6 +155,10 @@ class _OpTracker(Tracker):
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
         self.aliased_args: set[str] = set()  # modules called with one tensor in two arguments
+        # module path -> per call, its arguments when they are all tensors (else None): how many
+        # positional, the keywords, each tensor's (shape, stride, dtype, device). A parent's
+        # spans run its traced forward, offered only for such calls (:func:`_parent_node_ops`)
+        self.tensor_args: dict[str, list[Any]] = defaultdict(list)
 
     def _free(self, key: int, rec: Any) -> None:
         if self.recording and self.phase == "fwd":
@@ -170,6 +212,12 @@ class _CallRecorder(ForwardWrapper):
         ids = [id(t) for t in tree_leaves((args, kwargs)) if is_tensor(t)]
         if len(ids) != len(set(ids)):
             tracker.aliased_args.add(self.path)
+        values = (*args, *kwargs.values())
+        tracker.tensor_args[self.path].append(
+            (len(args), tuple(kwargs), [_tensor_meta(t) for t in values])
+            if all(isinstance(t, torch.Tensor) for t in values)
+            else None
+        )
         tracker.path_stack.append(self.path)
         try:
             return self.run_original(module, *args, **kwargs)
@@ -295,8 +343,13 @@ def eager_graph(
     time_ops: bool = False,
     step_time: StepTime | None = None,
     timer: Timer | None = None,
+    parent_spans: bool = True,
 ) -> EagerGraph:
     """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring).
+
+    ``parent_spans``: offer spans of modules' own forwards as candidates
+    (``passes/parent_spans.py``; off for FSDP2 plans, whose units' hooks they are not yet
+    measured with).
 
     ``rates``: the device to price time for (the planner passes the model's own device's,
     ``planner.devices.profile_of_model``);
@@ -341,18 +394,29 @@ def eager_graph(
     # node -> the model state it writes, by buffer name (None: state that is no buffer)
     written = {i: {buffer_of.get(r) for r in recs} for i, recs in tracker.state_written.items()}
     _read_by_calls(tracker)
-    lifetimes = _python_lifetimes(model, example_input, loss_fn, tracker)
+    parents, not_parents = _traceable_parents(model, calls, tracker) if parent_spans else ({}, {})
+    parent_ops, held_otherwise = _parent_node_ops(
+        model, example_input, tracker, parents, not_parents
+    )
+    traced = {path: parents[path].gm for path in held_otherwise}
+    lifetimes = _python_lifetimes(model, example_input, loss_fn, tracker, traced)
 
     graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
     meta = {**graph.meta, "precision": precision_text(model), "python_lifetimes": lifetimes}
     graph = replace(graph, meta=meta)
     if time_ops:
         graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
-    return _candidates(model, graph, calls, written, tracker.aliased_args)
+    eg = _candidates(model, graph, calls, written, tracker.aliased_args)
+    eg = _with_parent_spans(model, eg, parents, parent_ops, written, not_parents)
+    return replace(eg, traced_forwards=tuple(traced))
 
 
 def _python_lifetimes(
-    model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, tracker: _OpTracker
+    model: torch.nn.Module,
+    example_input: Any,
+    loss_fn: LossFn | None,
+    tracker: _OpTracker,
+    traced: dict[str, fx.GraphModule],
 ) -> str:
     """Learn when Python drops the storages autograd saved, and note it in ``tracker.died_at``.
 
@@ -368,6 +432,12 @@ def _python_lifetimes(
     of its counterpart (an op of that run that the priced run lacks maps to the priced run's
     node before the next match: later, on the safe side). Returns how it went, for the graph's
     ``meta``.
+
+    The modules in ``traced`` (path -> traced forward: ``passes/parent_spans.py``) run their
+    traced forward in that run, as an applied plan runs them where their storages' lifetimes
+    count: inside a region (``EagerGraph.traced_forwards``). fx's code drops each value at its
+    last use; the module's own code may hold it longer (the U-Net's list of skips: 232,640 B
+    least, measured 221,420 B, priced on the original forward; 213,300 B, exact, on the traced).
     """
     saved = [
         (i, j, rec)
@@ -385,6 +455,7 @@ def _python_lifetimes(
     try:
         with (
             _mask_decisions_as_eager(kwargs),
+            _running_traced(model, traced),
             _recording_calls(model, other),
             fs.running(),
             torch.no_grad(),
@@ -424,6 +495,229 @@ def _python_lifetimes(
             tracker.died_at[id(rec)] = later[died]
             held += 1
     return f"from a forward under no_grad: {held} of {len(saved)} saved storages"
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """A module whose own forward may hold spans: its traced forward, its call's op interval
+    and arguments (``_OpTracker.tensor_args``)."""
+
+    gm: fx.GraphModule
+    span: tuple[int, int]
+    call: tuple[int, tuple[str, ...], list[tuple[Any, ...]]]
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def _traceable_parents(
+    model: torch.nn.Module, calls: dict[str, list[tuple[int, int, bool]]], tracker: _OpTracker
+) -> tuple[dict[str, _Parent], dict[str, str]]:
+    """(path -> :class:`_Parent`, ``path(..)`` -> why not) of the modules with children and ops
+    of their own whose forward may hold spans (``passes/parent_spans.py``): called once per
+    step, with grad, passing a tensor to each parameter of its forward (the traced forward
+    runs only such calls), traced by fx with its children as leaves, writing no tensor in
+    place (a recomputation would read the written value). nn.Sequential's own forward runs
+    nothing of its own (its runs are :func:`_sequential_runs`)."""
+    parents: dict[str, _Parent] = {}
+    why: dict[str, str] = {}
+    for path, module in model.named_modules():
+        made = calls.get(path, [])
+        if len(made) != 1 or next(module.children(), None) is None:
+            continue
+        start, stop, grad = made[0]
+        if not grad or not any(tracker.records[i].module_path == path for i in range(start, stop)):
+            continue
+        try:
+            arity, (call,) = forward_arity(module), tracker.tensor_args[path]
+            if call is None or len(call[2]) != arity:
+                raise ValueError("it is not called with one tensor for each forward parameter")
+            gm = trace_parent(module)
+            if (node := writes_in_place(gm)) is not None:
+                raise ValueError(f"its node {node} writes a tensor in place")
+        except Exception as e:  # noqa: BLE001 - fx's errors are many; a parent offers no spans
+            why[span_name(path, "", "")] = f"no spans of its own forward: {e}"[:300]
+            continue
+        parents[path] = _Parent(gm, (start, stop), call)
+    return parents, why
+
+
+def _parent_node_ops(
+    model: torch.nn.Module,
+    example_input: Any,
+    tracker: _OpTracker,
+    parents: dict[str, _Parent],
+    why: dict[str, str],
+) -> tuple[dict[str, dict[str, tuple[int, int]]], set[str]]:
+    """(parent path -> fx node name -> [start, stop): the priced step's ops each call node of
+    the parent's traced forward runs; the parents whose traced forward drops some storage at
+    another op than their own forward does).
+
+    Each parent is called alone, under no_grad on fake tensors shaped as its priced call's
+    arguments, twice: its own forward, then its traced forward (``parent_spans.NodeOps``).
+    Only parents whose two runs dispatch the priced call's ops (names, overloads, output
+    shapes) offer spans; the others are noted in ``why``. fx's code drops each value at its
+    last use, a module's own code may hold it longer (the U-Net's list of skips)."""
+    if not parents:
+        return {}, set()
+    other = _OpTracker()
+    fs = fake_step(model, example_input, other)
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    held_otherwise: set[str] = set()
+
+    def key(start: int) -> list[tuple[Any, ...]]:
+        return [(r.name, r.op, tuple(r.shapes)) for r in other.records[start:]]
+
+    def deaths(start: int) -> list[int | None]:
+        """When Python dropped each storage the run allocated, by op, from its start."""
+        return [
+            None if (d := other.died_at.get(id(rec))) is None else d - start
+            for i in range(start, len(other.records))
+            for rec in other.allocated.get(("fwd", i), [])
+        ]
+
+    with _recording_calls(model, other), fs.running(), torch.no_grad():
+        for path, parent in parents.items():
+            module = model.get_submodule(path)
+            n_args, names, metas = parent.call
+            values = [torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in metas]
+            args, kwargs = values[:n_args], dict(zip(names, values[n_args:], strict=True))
+            runs = []
+            try:
+                for traced in (False, True):
+                    other.counts.clear()
+                    start, other.recording = len(other.records), True
+                    with amp_forward():
+                        if traced:  # its ops named as the module's, as a call of it names them
+                            run = NodeOps(module, parent.gm, lambda: len(other.records))
+                            other.path_stack.append(path)
+                            try:
+                                run.run(*in_order(module, args, kwargs))
+                            finally:
+                                other.path_stack.pop()
+                                run.env.clear()  # its output, as a call's, dies now
+                        else:
+                            module(*args, **kwargs)
+                    other.claim_pending()
+                    other.recording = False
+                    runs.append((start, key(start), deaths(start)))
+            except Exception as e:  # noqa: BLE001 - this parent offers no spans
+                why[span_name(path, "", "")] = f"no spans of its own forward: {e!r:.200}"
+                continue
+            finally:
+                other.recording = False
+            priced = [(r.name, r.op, tuple(r.shapes)) for r in tracker.records[slice(*parent.span)]]
+            if not runs[0][1] == runs[1][1] == priced:
+                why[span_name(path, "", "")] = "its traced forward runs other ops than its own"
+                continue
+            shift = parent.span[0] - runs[1][0]
+            out[path] = {n: (a + shift, b + shift) for n, (a, b) in run.ops.items()}
+            if runs[0][2] != runs[1][2]:
+                held_otherwise.add(path)
+    return out, held_otherwise
+
+
+@contextmanager
+def _running_traced(model: torch.nn.Module, traced: dict[str, fx.GraphModule]) -> Iterator[None]:
+    """Each module of ``traced`` runs its traced forward (on its live attributes) meanwhile."""
+
+    class Traced(ForwardWrapper):
+        def __init__(self, gm: fx.GraphModule) -> None:
+            self.gm = gm
+
+        def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            run = fx.Interpreter(module, graph=self.gm.graph)
+            return run.run(*in_order(module, args, kwargs))
+
+    installed: list[tuple[Traced, torch.nn.Module]] = []
+    try:
+        for path, gm in traced.items():
+            wrapper, module = Traced(gm), model.get_submodule(path)
+            wrapper.install(module)
+            installed.append((wrapper, module))
+        yield
+    finally:
+        for wrapper, module in reversed(installed):
+            wrapper.uninstall(module)
+
+
+# At most this many spans of parents' own forwards in all (dp's time grows fast with candidates:
+# a Llama-7B shape of 4 layers offered 483 more, past dp's 60 s limit), outer parents first.
+MAX_PARENT_SPANS = 128
+
+
+def _span_cuts(
+    parent_ops: dict[str, dict[str, tuple[int, int]]],
+    parents: dict[str, _Parent],
+    refused: dict[str, str],
+) -> Iterator[tuple[str, dict[str, tuple[int, int]], int]]:
+    """(path, node ops, cuts) of each parent to offer spans of, within MAX_PARENT_SPANS: level
+    by level from the root, every parent of a level at the same most cuts (``spans_of``'s
+    ``max_cuts``) the spans left allow, down to 2; the parents left out are noted in
+    ``refused``."""
+    left = MAX_PARENT_SPANS
+    levels: dict[int, list[str]] = defaultdict(list)
+    for path in parent_ops:
+        levels[path.count(".") + bool(path)].append(path)
+    for depth in sorted(levels):
+        paths = levels[depth]
+        share = left // len(paths)
+        cuts = MAX_SPAN_CUTS
+        while cuts >= 2 and cuts * (cuts + 1) // 2 > share:
+            cuts -= 1
+        for path in paths:
+            working = sum(b > a for a, b in parent_ops[path].values())
+            if cuts < 2:
+                refused[span_name(path, "", "")] = (
+                    f"no spans of its own forward: the model's {MAX_PARENT_SPANS} are taken by "
+                    f"outer modules"
+                )
+                continue
+            left -= min(cuts, working) * (min(cuts, working) + 1) // 2
+            yield path, parent_ops[path], cuts
+
+
+def _with_parent_spans(
+    model: torch.nn.Module,
+    eg: EagerGraph,
+    parents: dict[str, _Parent],
+    parent_ops: dict[str, dict[str, tuple[int, int]]],
+    written: dict[int, set[str | None]],
+    refused: dict[str, str],
+) -> EagerGraph:
+    """``eg`` with the spans of each parent's own forward (``parent_spans.spans_of``) among its
+    candidates, named ``path(first..last)``: those no in-place write crosses, that write only
+    buffers of the children they call (BatchNorm statistics: an applied span recomputes on
+    copies of them, ``planner/inplace.py``, Rule 9). A span some module call or run already is
+    keeps that one's name."""
+    forbidden = forbidden_cuts(eg.graph)
+    spans, state = dict(eg.spans), dict(eg.state_buffers)
+    for path, ops, cuts in _span_cuts(parent_ops, parents, refused):
+        parent = model.get_submodule(path)
+        prefix = f"{path}." if path else ""
+        for first, last, (start, stop), children in spans_of(parents[path].gm, ops, cuts):
+            if (start, stop) in spans or start in forbidden or stop in forbidden:
+                continue
+            names = set().union(*(written.get(i, ()) for i in range(start, stop)))
+            owned = {
+                f"{prefix}{child}.{b}"
+                for child in children
+                for b, _ in parent.get_submodule(child).named_buffers()
+            }
+            if not names <= owned:  # state of other modules (or none's: None)
+                continue
+            name = span_name(path, first, last)
+            spans[(start, stop)] = name
+            if names:
+                state[name] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
+    return replace(
+        eg,
+        graph=replace(eg.graph, region_spans=frozenset(spans)),
+        spans=spans,
+        refused={**eg.refused, **refused},
+        state_buffers=state,
+    )
 
 
 def _read_by_calls(tracker: _OpTracker) -> None:

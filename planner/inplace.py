@@ -9,7 +9,13 @@ A region is one submodule (every call of it; the planner only offers modules cal
 step), or a run of consecutive children of an ``nn.Sequential`` (``blocks[0:3]``,
 ``_RunForward``): the Sequential's forward is then ``_SequentialRuns``, which calls its children
 in turn as nn.Sequential does, each run as one checkpointed call exactly like a module region's
-(nested runs and child regions inside it).
+(nested runs and child regions inside it), or a span of a module's own forward
+(``(max_pool2d..down.0)``, ``blocks.0.mlp(fc..proj)``: ``passes/parent_spans.py``): that
+module's forward is then ``_ParentSpans``, its torch.fx trace (children as leaves) rewritten by
+``passes/rewrite.py`` so that each span is one call, run by the same runner as a module region
+(``_SpanForward``) on the module's own attributes and children. A module whose traced forward
+drops values earlier than its own code and that lies inside a region runs traced too
+(``InplaceTarget.traced_forwards``: the plan was priced so).
 
 Applying a plan replaces each region module's ``forward`` by an instance attribute
 (``passes/forward_wrapper.py`` ``ForwardWrapper``) that, when ``torch.is_grad_enabled() and
@@ -67,7 +73,14 @@ from planner import hf_checkpointing
 from planner.guard import remove_guard
 from planner.offload import offloaded_call
 from planner.passes.forward_wrapper import ForwardWrapper
-from planner.passes.rewrite import _outside_selective_checkpointing
+from planner.passes.parent_spans import forward_arity, node_labels, split_span, trace_parent
+from planner.passes.rewrite import (
+    CALL_OPS,
+    CheckpointRegion,
+    NamedRegion,
+    _outside_selective_checkpointing,
+    rewrite,
+)
 from planner.plans import Plan, Region, split_run
 from planner.solvers.errors import PlanFileError
 
@@ -356,13 +369,19 @@ def _updating_once(
 
 
 def apply_regions(
-    model: torch.nn.Module, regions: tuple[Region, ...], plan: Plan | None = None
+    model: torch.nn.Module,
+    regions: tuple[Region, ...],
+    plan: Plan | None = None,
+    traced_forwards: tuple[str, ...] = (),
 ) -> torch.nn.Module:
     """Wrap each region's module of ``model`` in place (any earlier plan is removed first), and
-    record ``plan`` on it, Hugging Face's own checkpointing turned off (hf_checkpointing.py)."""
+    record ``plan`` on it, Hugging Face's own checkpointing turned off (hf_checkpointing.py).
+    ``traced_forwards``: modules that run their traced forward (``_ParentSpans``) even without
+    a span of their own, as the plan priced them."""
     remove(model)
-    wrap_regions(model, regions)
-    hf_checkpointing.mark_applied(model, plan, regions, wrap_regions, unwrap_regions)
+    wrap = functools.partial(wrap_regions, traced_forwards=traced_forwards)
+    wrap(model, regions)
+    hf_checkpointing.mark_applied(model, plan, regions, wrap, unwrap_regions)
     return model
 
 
@@ -412,10 +431,144 @@ class _SequentialRuns(ForwardWrapper):
         return self.run_children(module, 0, len(module), input)
 
 
-def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
-    # runs first: a region over the whole Sequential wraps the forward that runs them
+class _SpanForward(_RegionForward):
+    """A span region of a parent's forward: its nodes (``body``, a GraphModule of them that
+    ``passes/rewrite.py`` cut out of the parent's traced graph) run as one checkpointed call,
+    exactly as a module region's (``_RegionForward.__call__``, with the parent as the module:
+    its BatchNorm statistics are named relative to it); the spans nested in it run inside."""
+
+    def __init__(self, region: Region, body: torch.nn.Module) -> None:
+        super().__init__(region)
+        self.body = body
+
+    def run_original(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.body(*args, **kwargs)
+
+
+class _SpanCall(torch.nn.Module):
+    """What the rewritten graph calls for a span (in the place of its ``CheckpointRegion``)."""
+
+    def __init__(self, span: _SpanForward, parent: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "span", span)  # plain attributes: no submodules of the model
+        object.__setattr__(self, "parent", weakref.ref(parent))  # its graph is kept by it
+
+    def forward(self, *args: Any) -> Any:
+        return self.span(self.parent(), *args)
+
+
+class _OnModule:
+    """``self`` for the rewritten forward: the parent's own attributes as they are at the call
+    (its parameters, children), the rewritten graph's span calls and constants besides."""
+
+    def __init__(self, module: torch.nn.Module, gm: torch.fx.GraphModule) -> None:
+        self._module, self._gm = module, gm
+
+    def __getattr__(self, name: str) -> Any:
+        if not isinstance(self._gm._modules.get(name), _SpanCall) and hasattr(self._module, name):
+            return getattr(self._module, name)
+        return getattr(self._gm, name)
+
+
+class _ParentSpans(ForwardWrapper):
+    """A parent module's forward with its planned spans (``passes/parent_spans.py``): its
+    traced graph, rewritten by ``passes/rewrite.py`` so that each span is one call
+    (``_SpanForward``), run on the module itself; its call nodes reach the module's own
+    children, so regions of theirs nested in a span run inside it. Used only while training
+    with grad, for a call passing one tensor to each forward parameter, as planned; any other
+    call runs the module's own forward (warning once when training: its spans do not run).
+
+    The rewritten graph is built per module object (``copy.deepcopy(model)`` shares this
+    wrapper, rebound to the copy, whose graph must call the copy's children)."""
+
+    def __init__(self, module: torch.nn.Module, path: str, regions: list[Region]) -> None:
+        self.path, self.regions = path, tuple(regions)
+        self.arity, self.warned = forward_arity(module), False
+        self.built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.rewritten(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "built"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, built=weakref.WeakKeyDictionary())
+
+    def rewritten(self, module: torch.nn.Module) -> torch.fx.GraphModule:
+        """``module``'s traced forward with each planned span one call, built once."""
+        gm = self.built.get(module)
+        if gm is not None:
+            return gm
+        gm = trace_parent(module)
+        order, labels = [n.name for n in gm.graph.nodes if n.op in CALL_OPS], node_labels(gm)
+        named, by_name, stack = [], {}, []
+        for k, r in enumerate(sorted(self.regions, key=lambda r: _outer_first(r, labels))):
+            a, b = _node_span(r, labels)
+            while stack and stack[-1] < b:  # depth among this parent's spans
+                stack.pop()
+            name = f"ckpt_span_{k}"
+            named.append(NamedRegion(name, tuple(order[a:b]), len(stack), r.kind))
+            by_name[name] = r
+            stack.append(b)
+        gm = self.built[module] = rewrite(gm, named)
+        _swap_spans(gm, by_name, module)
+        return gm
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_grad_enabled() and module.training):
+            return self.run_original(module, *args, **kwargs)
+        values = (*args, *kwargs.values())
+        if len(values) != self.arity or not all(isinstance(v, torch.Tensor) for v in values):
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"planner: module {self.path!r} was planned with regions of its own forward "
+                    f"for calls passing a tensor to each of its {self.arity} parameters; this "
+                    f"call does not, so it runs its own forward without them and memory may "
+                    f"exceed the prediction.",
+                    stacklevel=3,
+                )
+            return self.run_original(module, *args, **kwargs)
+        gm = self.rewritten(module)
+        return type(gm).forward(_OnModule(module, gm), *args, **kwargs)
+
+
+def _node_span(region: Region, labels: list[str]) -> tuple[int, int]:
+    """[a, b) of a span region's fx call nodes, labelled ``labels`` in order."""
+    _, first, last = split_span(region.name)  # type: ignore[misc]
+    return labels.index(first), labels.index(last) + 1
+
+
+def _outer_first(region: Region, labels: list[str]) -> tuple[int, int]:
+    a, b = _node_span(region, labels)
+    return a, -b
+
+
+def _swap_spans(
+    gm: torch.fx.GraphModule, by_name: dict[str, Region], parent: torch.nn.Module
+) -> None:
+    """Replace each ``CheckpointRegion`` the rewrite made (nested ones in their parent span's
+    body) by the in-place runner of its span."""
+    for name, mod in list(gm._modules.items()):
+        if isinstance(mod, CheckpointRegion):
+            _swap_spans(mod.body, by_name, parent)
+            gm._modules[name] = _SpanCall(_SpanForward(by_name[name], mod.body), parent)
+
+
+def wrap_regions(
+    model: torch.nn.Module, regions: tuple[Region, ...], traced_forwards: tuple[str, ...] = ()
+) -> None:
+    # spans first, then runs: a region over the whole module wraps the forward that runs them
+    parents: dict[str, list[Region]] = {path: [] for path in traced_forwards}
+    for region in regions:
+        if (span := split_span(region.name)) is not None:
+            parents.setdefault(span[0], []).append(region)
+    for path, spans in parents.items():
+        module = model.get_submodule(path)
+        _ParentSpans(module, path, spans).install(module)
     sequentials: dict[str, _SequentialRuns] = {}
     for region in regions:
+        if split_span(region.name) is not None:
+            continue
         path, children = split_run(region.path)
         if children is not None:
             runs = sequentials.get(path)
@@ -426,7 +579,7 @@ def wrap_regions(model: torch.nn.Module, regions: tuple[Region, ...]) -> None:
     for path, runs in sequentials.items():
         runs.plan_steps(len(model.get_submodule(path)))
     for region in regions:
-        if split_run(region.path)[1] is None:
+        if split_span(region.name) is None and split_run(region.path)[1] is None:
             _RegionForward(region).install(model.get_submodule(region.path))
 
 
@@ -444,7 +597,7 @@ def unwrap_regions(model: torch.nn.Module) -> None:
         # a region over a Sequential wraps the forward that runs its runs: both come off
         while isinstance(
             wrapper := getattr(module.__dict__.get("forward"), "__func__", None),
-            _RegionForward | _SequentialRuns,
+            _RegionForward | _SequentialRuns | _ParentSpans,
         ):
             wrapper.uninstall(module)
 
@@ -456,10 +609,12 @@ def check_fits(
     regions: tuple[Region, ...],
     source: str,
     shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
+    traced_forwards: tuple[str, ...] = (),
 ) -> None:
     """PlanFileError naming the first way ``model`` differs from the one ``source`` was made
-    for: its class, a region's module path or class, any module of the tree, then the first
-    parameter whose shape differs (``shapes``; empty: not checked)."""
+    for: its class, a region's module path or class (a span's nodes), a module that runs its
+    traced forward (``traced_forwards``), any module of the tree, then the first parameter
+    whose shape differs (``shapes``; empty: not checked)."""
     fix = "Plan this model with planner.plan(..., form='inplace') and save that plan."
     if type(model).__name__ != model_class:
         raise PlanFileError(
@@ -467,7 +622,8 @@ def check_fits(
         )
     types = dict(tree)
     for r in regions:
-        path, children = split_run(r.path)
+        span = split_span(r.name)
+        path, children = split_run(r.path) if span is None else (span[0], None)
         try:
             module = model.get_submodule(path)
         except AttributeError:
@@ -487,6 +643,17 @@ def check_fits(
                 f"{path!r} as one call, which needs an nn.Sequential of at least "
                 f"{children.stop} children. {fix}"
             )
+        if span is not None:
+            _check_span(module, span, source, fix)
+    for path in traced_forwards:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise PlanFileError(
+                f"{source} runs the traced forward of module {path!r}, which this model does "
+                f"not have. {fix}"
+            ) from None
+        _check_span(module, (path, "", ""), source, fix)
     ours = module_tree(model)
     for (path, kind), (their_path, their_kind) in zip(tree, ours):
         if (path, kind) != (their_path, their_kind):
@@ -500,6 +667,32 @@ def check_fits(
         )
     if shapes:
         _check_shapes(model, shapes, source, fix)
+
+
+def _check_span(module: torch.nn.Module, span: tuple[str, str, str], source: str, fix: str) -> None:
+    """PlanFileError unless ``module``'s forward traces (``passes/parent_spans.py``) to a graph
+    in which the span's first node is no later than its last."""
+    path, first, last = span
+    try:
+        order = node_labels(trace_parent(module))
+    except Exception as e:  # noqa: BLE001 - whatever fx raises
+        raise PlanFileError(
+            f"{source} runs {path!r}'s own forward as torch.fx traces it, which fx cannot "
+            f"trace here ({type(e).__name__}: {e}). {fix}"
+        ) from None
+    if not first:  # a traced forward without a span of its own
+        return
+    for node in (first, last):
+        if node not in order:
+            raise PlanFileError(
+                f"{source} checkpoints {path!r}'s forward from node {first!r} to {last!r}; its "
+                f"traced forward has no node {node!r}. {fix}"
+            )
+    if order.index(first) > order.index(last):
+        raise PlanFileError(
+            f"{source} checkpoints {path!r}'s forward from node {first!r} to {last!r}, which "
+            f"comes before it. {fix}"
+        )
 
 
 def _check_shapes(

@@ -52,13 +52,17 @@ class InplaceTarget(FormTarget):
     ``precision``: the dtypes it was priced in (passes/step.py precision_text);
     ``planned_shape``: the example input's shape and how the peak scales off it
     (planner/guard.py), None for a plan built without an example input or read from a file
-    saved before plans recorded it."""
+    saved before plans recorded it; ``traced_forwards``: the modules whose forward the plan
+    runs as torch.fx traces it (``passes/eager.py`` ``EagerGraph.traced_forwards_needed``)."""
 
     model_class: str
     module_tree: tuple[tuple[str, str], ...] = field(repr=False)
     parameter_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=(), repr=False)
     precision: str = ""
     planned_shape: PlannedShape | None = field(default=None, repr=False)
+    # modules whose own forward runs as fx traces it (passes/parent_spans.py), as priced:
+    # those with spans of their own among the regions or inside a region
+    traced_forwards: tuple[str, ...] = ()
 
     form: ClassVar[str] = FORM
 
@@ -84,8 +88,9 @@ class InplaceTarget(FormTarget):
             plan.regions,
             source,
             self.parameter_shapes,
+            self.traced_forwards,
         )
-        apply_regions(model, plan.regions, plan)
+        apply_regions(model, plan.regions, plan, self.traced_forwards)
         install_guard(model, self.planned_shape, plan.budget_bytes)
         return model
 
@@ -96,6 +101,7 @@ class InplaceTarget(FormTarget):
             "module_tree": [list(m) for m in self.module_tree],
             "parameter_shapes": [[name, list(shape)] for name, shape in self.parameter_shapes],
             "precision": self.precision,
+            "traced_forwards": list(self.traced_forwards),
             "planned_shape": None
             if (shape := self.planned_shape) is None
             else {
@@ -129,6 +135,7 @@ class InplaceTarget(FormTarget):
             ),
             precision=str(body.get("precision", "")),
             planned_shape=shape,
+            traced_forwards=tuple(str(p) for p in body.get("traced_forwards", ())),
         )
 
 
@@ -206,6 +213,7 @@ def price_inplace(
                 rates=device or profile_of_model(model),
                 time_ops=timer is not None,
                 timer=timer,
+                parent_spans=fsdp is None,
             )
         return eg if fsdp is None else per_rank(model, eg, fsdp)
 
@@ -251,6 +259,7 @@ def build_inplace_plan(
         module_tree=module_tree(model),
         parameter_shapes=parameter_shapes(model),
         precision=eg.graph.meta.get("precision", ""),
+        traced_forwards=eg.traced_forwards_needed((r.start, r.stop) for r in schedule.regions),
         planned_shape=(
             None
             if example_input is None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from planner.passes.parent_spans import split_span
 from planner.passes.rewrite import NamedRegion
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.simulate import Simulation
@@ -60,7 +61,8 @@ class Region(NamedRegion):
     @property
     def path(self) -> str:
         """The module path of an in-place region (its name; for a run of an nn.Sequential's
-        children, ``blocks[0:2]``, the Sequential's path and the slice: :func:`split_run`)."""
+        children, ``blocks[0:2]``, the Sequential's path and the slice: :func:`split_run`; for
+        a span of a module's own forward, ``blocks.0(mul..down_proj)``: :func:`region_module`)."""
         return self.name
 
 
@@ -74,6 +76,14 @@ def split_run(name: str) -> tuple[str, slice | None]:
 
 
 _RUN_NAME = re.compile(r"(?P<path>.*)\[(?P<a>\d+):(?P<b>\d+)\]")
+
+
+def region_module(name: str) -> str:
+    """The path of the module an in-place region is of: the module itself, a run's
+    nn.Sequential (``blocks[0:2]``: :func:`split_run`), or the module whose own forward a span
+    is of (``blocks.0(mul..down_proj)``: ``passes/parent_spans.py`` ``split_span``)."""
+    span = split_span(name)
+    return split_run(name)[0] if span is None else span[0]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.plans import Plan, split_run
+from planner.passes.parent_spans import span_name, split_span
+from planner.plans import Plan, region_module, split_run
 from planner.solvers.costgraph import CostGraph, Region, Tensor
 from planner.solvers.simulate import offload_time_s
 
@@ -179,6 +180,19 @@ def model_parts(
     return shown + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
 
 
+def shown_name(name: str, prefix: str) -> str:
+    """An in-place region's name without ``prefix``: a module's path, a run's
+    (``blocks[0:2]``), a span's parent and, for a span of the root's forward, its ends
+    (``(encoder.layers.0.attn..encoder.layers.0.mlp)``, whose ends are paths from the root)."""
+    span = split_span(name)
+    if span is None:
+        return name.removeprefix(prefix)
+    path, first, last = span
+    if path:
+        return span_name(path.removeprefix(prefix), first, last)
+    return span_name("", first.removeprefix(prefix), last.removeprefix(prefix))
+
+
 def common_path_prefix(paths: Sequence[str]) -> str:
     """The dotted prefix every path in ``paths`` starts with, ending in a dot, e.g.
     ``"model."`` for ``model.layers.0`` and ``model.layers.1.mlp``; "" when there is none or
@@ -275,7 +289,8 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     # (long paths in narrow columns were cut to "model.laye…").
     in_place = plan.form == "inplace"
     paths = [p for span in spans for p in module_paths(graph, span)]
-    prefix = common_path_prefix(paths + [r.name for r in plan.regions] if in_place else paths)
+    names = [r.name if split_span(r.name) is None else region_module(r.name) for r in plan.regions]
+    prefix = common_path_prefix(paths + names if in_place else paths)
     if prefix:
         lines.append(f"module paths below leave out the prefix they share, {prefix!r}")
     table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
@@ -286,7 +301,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     body = []
     for region, span, cost in zip(plan.regions, spans, costs):
         cells = [
-            "  " * region.depth + (region.name.removeprefix(prefix) if in_place else region.name),
+            "  " * region.depth + (shown_name(region.name, prefix) if in_place else region.name),
             region.kind,
             model_parts(graph, span, prefix=prefix, root=region.name if in_place else None),
             format_bytes(cost.freed_bytes),

@@ -17,6 +17,7 @@ from planner import inplace
 from planner.devices import profile_of_model
 from planner.inplace import ModuleRegion, apply_regions
 from planner.passes.step import call, training_loss
+from planner.plans import region_module
 from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
 from tests.helpers import assert_same_step_copy
 
@@ -45,15 +46,22 @@ def planned():
     return model, reference, example, p, eager_bytes
 
 
+def _wrapped(p: planner.Plan) -> list[str]:
+    """The modules applying ``p`` gives a forward of their own: its regions' (a span's: the
+    module whose forward it is of) and those that run their traced forward."""
+    return sorted({region_module(r.name) for r in p.regions} | set(p.traced_forwards))
+
+
 def test_plan_is_module_granular_and_priced_on_eager(planned):
     model, _, example, p, eager_bytes = planned
     assert p.form == "inplace" and p.solver == "dp"
     assert p.regions, "half the eager peak needs checkpointing"
     assert p.baseline_peak_bytes == eager_bytes  # priced on what eager runs: exact here
     names = dict(model.named_modules())
-    for r in p.regions:
-        assert r.name in names, r.name
-        assert all(n.startswith(r.name) for n in r.nodes if not n.startswith("step:")), r
+    for r in p.regions:  # a module, or a span of a module's own forward (an MLP's fc..proj)
+        path = region_module(r.name)
+        assert path in names, r.name
+        assert all(n.startswith(path) for n in r.nodes if not n.startswith("step:")), r
     assert p.predicted_peak_bytes <= p.budget_bytes
 
 
@@ -130,7 +138,7 @@ def test_apply_keeps_the_model_object_class_and_state(planned):
         assert type(model) is cls and list(model.state_dict()) == keys
         assert all(a is b for a, b in zip(model.parameters(), params))
         wrapped = [n for n, m in model.named_modules() if "forward" in m.__dict__]
-        assert sorted(wrapped) == sorted(r.name for r in p.regions)
+        assert sorted(wrapped) == _wrapped(p)
     finally:
         planner.remove(model)
 
@@ -180,7 +188,7 @@ def test_remove_restores_every_forward(planned):
     model, reference, example, p, _ = planned
     p.apply(model)
     p.apply(model)  # applying again replaces, never stacks
-    assert sum("forward" in m.__dict__ for m in model.modules()) == len(p.regions)
+    assert sum("forward" in m.__dict__ for m in model.modules()) == len(_wrapped(p))
     assert planner.remove(model) is model
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert_same_step_copy(reference, model, example)
@@ -196,7 +204,7 @@ def test_saved_plan_applies_to_a_fresh_model_with_the_same_gradients(planned, tm
         assert planner.apply_plan(fresh, path) is fresh
         assert_same_step_copy(model, fresh, example)
         wrapped = sorted(n for n, m in fresh.named_modules() if "forward" in m.__dict__)
-        assert wrapped == sorted(r.name for r in p.regions)
+        assert wrapped == _wrapped(p)
     finally:
         planner.remove(model)
 

@@ -150,8 +150,12 @@ def _layer_plan(layer: nn.Module) -> tuple:
     decisions' key: what dynamo's guards see of the plan."""
     plan = []
     for path, module in layer.named_modules():
-        if (own := module.__dict__.get("forward")) is not None:
-            w = own.__func__
+        if (own := module.__dict__.get("forward")) is None:
+            continue
+        w = own.__func__
+        if not hasattr(w, "region"):  # its own forward's spans (planner/inplace.py _ParentSpans)
+            plan.append((path, "spans", tuple(r.name for r in w.regions)))
+        else:
             plan.append((path, w.region.kind, w.key if w.region.kind == "selective" else None))
     return tuple(plan)
 

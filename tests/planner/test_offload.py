@@ -95,7 +95,11 @@ def test_ilp_offloads_the_attention_modules_on_h100_too():
     for opts in ({}, {"warm": False}, {"warm": False, "backend": "cbc"}):
         schedule = ilp(graph, budget, **opts)
         offloaded = {eg.spans[(r.start, r.stop)] for r in schedule.regions if r.kind == "offload"}
-        assert offloaded == {"layers.0.self_attn", "layers.1.self_attn"}, (opts, schedule.regions)
+        # the attention modules, alone or with the residual add after them (a span of each
+        # layer's own forward, passes/parent_spans.py)
+        attention = ({"layers.0.self_attn", "layers.1.self_attn"},)
+        attention += ({"layers.0(self_attn..add)", "layers.1(self_attn..add)"},)
+        assert offloaded in attention, (opts, schedule.regions)
         sim = simulate(graph, schedule)
         assert sim.peak_bytes <= budget
         times_s.append(sim.step_time_s)
