@@ -324,25 +324,22 @@ def test_a_resnet_with_batchnorm_and_in_place_relu_plans_below_half_of_eager(tmp
     _assert_trains_alike_with_statistics(copy.deepcopy(reference), from_file, x, steps=1)
 
 
-def test_the_unet_plans_below_eager_in_place_with_batchnorm_regions():
+def test_the_unet_plans_at_half_of_eager_in_place_with_batchnorm_regions():
     """The U-Net's skips and concatenations live in the root's own forward, whose spans are
     regions in place too (passes/parent_spans.py), with module regions and runs of a
-    Sequential's children (conv + BN of each conv-BN-ReLU). Not half of eager: at the
-    backward of the full-resolution decoder's conv, its input (the concatenation), that
-    input's gradient and its output's gradient, with the root max-pool's saved input (the
-    skip) and indices, are already about half of eager (51.5% in place, as the graph form's
-    51.5-53.5%; why no form reaches half on the CPU: tests/planner/test_unet_floor.py)."""
+    Sequential's children (conv + BN of each conv-BN-ReLU); none of its ops draws random
+    numbers, so no region stashes the RNG state (simulate's Rule 12). At half of eager: measured
+    as predicted, within the budget, and trained bitwise alike, BatchNorm statistics included
+    (how far below half: tests/planner/test_unet_floor.py)."""
     from tests.models_zoo import small_unet_example
 
     model, x = small_unet_example()
     reference = copy.deepcopy(model)
-    eager_bytes = planner.measure(model, x).peak_bytes
-    least = _least_bytes(model, x, "inplace", None)
-    assert least < 0.9 * eager_bytes
-    p = planner.plan(model, x, least / 1e9, form="inplace", device="cpu")
+    half = planner.measure(model, x).peak_bytes // 2
+    p = planner.plan(model, x, half / 1e9, form="inplace", device="cpu")
     assert _bn_paths(model) & set().union(*(_covered(model, r.name, r.nodes) for r in p.regions))
     planned = p.apply(copy.deepcopy(model))
-    assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= least
+    assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= half
     _assert_trains_alike_with_statistics(reference, planned, x)
 
 
