@@ -1003,26 +1003,16 @@ class _Programme:
                     held -= args  # what only the frame would have held
                 elif root and c < self.first_save[c]:
                     inner_credit = (self.first_save[c], args + stash)
-                inner_key = self.key(
-                    c, j, inner_crossing, False, False, depth + 1, inner_credit, child_stash
-                )
+                inner_state = (c, j, inner_crossing, False, False, depth + 1)
+                inner_state += (inner_credit, child_stash)
+                inner_key = self.key(*inner_state)
                 inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
                 inner_shift += stash  # its own stash, to its backward's end
                 if stopping and last_save < j:
                     # See simulate's Rule 5: the child is this recomputation's last save (its
                     # arguments), so the recomputation stops before it; the nodes after it run
                     # only their backward, with the child's arguments still alive (Rule 3).
-                    inner = self.value_at(
-                        inner_key,
-                        c,
-                        j,
-                        inner_crossing,
-                        False,
-                        False,
-                        depth + 1,
-                        inner_credit,
-                        child_stash,
-                    )
+                    inner = self.value_at(inner_key, *inner_state)
                     v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
                     # Rule 4: the nodes after the child run their backward before this
                     # recomputation, with nothing of it alive
@@ -1039,17 +1029,7 @@ class _Programme:
                     keeps = {tuple(i for i in range(c, j) if k[i]) for k in self.keep_sets}
                     for keep in sorted(keeps):
                         best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
-                inner = self.value_at(
-                    inner_key,
-                    c,
-                    j,
-                    inner_crossing,
-                    False,
-                    False,
-                    depth + 1,
-                    inner_credit,
-                    child_stash,
-                )
+                inner = self.value_at(inner_key, *inner_state)
                 if inner[-1] == INF:
                     continue
                 kept_bytes, nxt = stash, [(t, False) for t in survivors[j]]
