@@ -422,8 +422,9 @@ def test_compare_takes_every_option_plan_takes():
     import planner.comparison as compare_module
 
     model, example_input = gpt_ref_small_example()
-    # at 85% of eager a plan recomputing 0 FLOPs (norms, GELUs) fits; at 80% none does
-    kw = dict(budget_fractions=[0.8], solvers=["dp"], device="h100", objective="flops")
+    # at 80% of eager a plan recomputing 0 FLOPs (norms, GELUs, spans of the blocks' own
+    # forwards keeping their matmuls) fits; at 75% none does
+    kw = dict(budget_fractions=[0.75], solvers=["dp"], device="h100", objective="flops")
     flops = compare_module.compare(model, example_input, **kw)
     row = flops.rows[0]
     api = planner.plan(
