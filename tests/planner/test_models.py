@@ -171,7 +171,7 @@ def test_dp_stays_feasible_as_the_budget_grows(gpt2_graph):
     least_bytes = least_peak(gpt2_graph, "dp")
     # from the stated least (and a hair above it, where rounding to the grid bites) to eager
     budgets = [least_bytes, least_bytes + 1, round(1.01 * least_bytes)]
-    budgets += [round(f * eager_bytes) for f in (0.5, 0.52, 0.55, 0.6, 0.7, 0.85, 1.0)]
+    budgets += [round(f * eager_bytes) for f in (0.52, 0.6, 0.85, 1.0)]
     for budget_bytes in budgets:  # every budget at or above the stated least is planned
         schedule = get_solver("dp")(gpt2_graph, budget_bytes)
         assert simulate(gpt2_graph, schedule).peak_bytes <= budget_bytes

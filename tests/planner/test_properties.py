@@ -86,7 +86,7 @@ def test_every_solver_trains_bitwise_like_the_model(spec, fraction):
 
 
 @pytest.mark.slow
-@settings(EXAMPLES, max_examples=10)
+@settings(EXAMPLES, max_examples=7)
 @given(spec=net_specs, fraction=budget_fractions)
 def test_every_solver_fits_the_budget_as_measured_and_predicts_within_10_percent(spec, fraction):
     _, x, by_solver = plans(spec, fraction)
