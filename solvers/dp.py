@@ -46,10 +46,12 @@ unchecked" or "nodes ``[c, j)`` form a region"; a region's inside is the same pr
 level down, and a state's value is ``V[m]``: the least recompute time of the rest of its context
 using at most ``m`` bytes more than what is already kept.
 
-``V`` lives on a grid of at most ``grid`` steps up to the budget, so no table grows with the
-budget (a known tool dies with MemoryError on large budgets). Every byte count is rounded *up*
-to the grid step, so its plans stay within the budget; with a 1-byte step (small budgets, as in
-the tests) nothing is rounded.
+``V`` is a non-increasing step function of the budget, kept as its breakpoints
+(``solvers/frontier.py``): its cost is the number of distinct (memory, time) trade-offs a state
+has, not the budget's size, so dp counts every byte by default (a known tool dies with
+MemoryError on large budgets; dp's earlier dense tables, 131,072 steps, took 8 GB and most of
+its time on GPT-ref in place). ``DPOptions.grid`` rounds every byte count *up* to steps of
+budget / grid, so such plans stay within the budget too.
 
 Inside regions a state is keyed by what it depends on rather than where it is (its suffix of
 nodes described relative to the context's end, hash-consed), so the repeated blocks of a
@@ -60,8 +62,7 @@ outputs cached, the rest recomputed; ``solvers/selective.py``).
 
 On a module-granular graph (``CostGraph.region_spans``, for plans applied in place) regions are
 exactly the spans, nested as the module tree allows, and selective regions are offered on every
-span at the top level; the space is then every laminar family of spans. Such a graph has few
-boundaries, so dp refines its memory grid instead of its stages (:func:`grid_levels`).
+span at the top level; the space is then every laminar family of spans, solved in one level.
 
 Graphs with more than ``DPOptions.max_bounds`` region boundaries are coarsened into stages
 (:func:`stage_bounds`): regions then begin and end only at stage boundaries and span at most
@@ -98,6 +99,7 @@ from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, block_spans, crossing_bytes, even_cuts, region_bounds
 from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.frontier import EMPTY, Frontier, constant, dense, improve
 from planner.solvers.greedy import GreedyOptions, solve_greedy
 from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.revolve import RevolveOptions, solve_revolve
@@ -122,7 +124,6 @@ Credit = tuple[int, int] | None
 ARG = 2
 DEFAULT_SPAN = 8
 DEFAULT_COARSE = 24
-DEFAULT_GRID = 2048
 # A long region crosses at most this many coarse cuts (4 transformer blocks): longer ones
 # multiply the states (every cut of the region, for each length) for little gain.
 DEFAULT_COARSE_SPAN = 8
@@ -149,13 +150,6 @@ REFINE_GAIN = 0.005
 # predicted to end within this share of the time limit: the user's wait buys the coarse
 # levels' large gains, not the last fraction of a percent.
 STAGED_REFINE_SHARE = 1 / 3
-# On a module-granular graph (few boundaries: a level takes a second or less) dp refines its
-# memory grid, GRID_GROWTH times finer each level, up to this many steps while time lasts.
-# Every byte count is rounded up to a step, so a coarse grid adds up past a tight budget: on
-# GPT-ref at SAC's measured peak (404 MiB), 2048 steps of 207 kB put SAC's own schedule 8 MiB
-# over, and dp recomputed attention scores instead.
-SPAN_GRID = 2**17
-GRID_GROWTH = 8
 
 
 @dataclass(frozen=True)
@@ -164,20 +158,21 @@ class DPOptions(SolverOptions):
     between two coarse cuts (block boundaries and ``coarse_cuts`` spread ones, None: one per 8
     nodes, at most 24) at most ``coarse_span`` coarse cuts apart; ``max_span=None`` (or a graph
     no longer than it) allows every interval. ``max_depth`` caps the nesting (None: any depth).
-    ``grid`` bounds the memory steps (bytes are rounded up to budget / grid; exact when that is
-    1). ``selective`` also offers top-level selective regions between coarse cuts (matmul
-    outputs kept, the rest recomputed). ``max_bounds``: on a graph with more region boundaries
+    ``grid``: bytes are rounded up to steps of budget / grid (None: every byte counts; a
+    state's value is kept as its breakpoints, ``solvers/frontier.py``, so a coarse grid only
+    loses plans: on GPT-ref at SAC's measured peak, 2048 steps of 207 kB put SAC's own schedule
+    8 MiB over, and dp recomputed attention scores instead). ``selective`` also offers
+    top-level selective regions between coarse cuts (matmul outputs kept, the rest
+    recomputed). ``max_bounds``: on a graph with more region boundaries
     than this, dp first coarsens it into that many stages (see :func:`stage_bounds`) and
     searches regions whose boundaries are stage boundaries (None: never); a region then spans
     up to ``staged_span`` stages (if less than ``max_span``). ``first_stages``: the coarsest
-    level's stages (:func:`stage_levels`). ``span_grid``: on a module-granular graph, dp
-    solves again on finer grids up to that many steps while time lasts and keeps the best
-    (:func:`grid_levels`)."""
+    level's stages (:func:`stage_levels`)."""
 
     max_span: int | None = DEFAULT_SPAN
     coarse_cuts: int | None = None
     max_depth: int | None = None
-    grid: int = DEFAULT_GRID
+    grid: int | None = None
     selective: bool = True
     coarse_span: int = DEFAULT_COARSE_SPAN
     max_bounds: int | None = DEFAULT_MAX_BOUNDS
@@ -186,13 +181,11 @@ class DPOptions(SolverOptions):
     # Also offer top-level offload regions (simulate's Rule 7). None: when the graph's device
     # has a host link (``CostGraph.host_link``: offloading frees device memory; never on a CPU).
     offload: bool | None = None
-    # On a module-granular graph, refine ``grid`` up to this many steps while time lasts
-    # (:func:`grid_levels`; None: ``grid`` only).
-    span_grid: int | None = SPAN_GRID
 
 
 class _Work:
-    """The programme's work so far, counted (states solved, value cells): what a level costs,
+    """The programme's work so far, counted (states solved, their frontiers' points): what a
+    level costs,
     the same on every machine and under any load."""
 
     states = 0
@@ -204,8 +197,8 @@ class _Work:
 
 WORK = _Work()
 # Whether to refine is decided on the work a level is predicted to take, in the seconds it
-# takes a reference CPU core (this project's x86-64 machine: GPT-ref's three grid levels, 473
-# states each, 0.10, 0.20 and 1.09 s of CPU time): the same decision under any load and on
+# takes a reference CPU core (this project's x86-64 machine: GPT-ref in place, 3,265 states and
+# 914,016 points, 0.7 s of CPU time): the same decision under any load and on
 # any machine, so the same graph and budget give the same plan. Only the time limit itself
 # (a safety net the default levels stay well inside) is the wall clock's.
 STATE_NOMINAL_S = 2e-4
@@ -352,27 +345,6 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
     )
 
 
-def _value_array(size: int, fill: float = INF) -> np.ndarray:
-    """A value vector of ``size`` entries stored as the second half of an array whose first
-    half is INF, so that shifting it right (``_shifted``) is a view, not a copy."""
-    padded = np.full(2 * size, INF)
-    padded[size:] = fill
-    return padded[size:]
-
-
-def _shifted(v: np.ndarray, k: int) -> np.ndarray:
-    """``w[m] = v[m - k]`` (INF where m - k < 0; v[-1] where m - k is past the end)."""
-    size = len(v)
-    padded = v.base
-    if 0 <= k < size and padded is not None and padded.shape == (2 * size,):
-        return padded[size - k : 2 * size - k]  # v made by _value_array: a view
-    if k <= 0:
-        return np.concatenate((v[-k:], np.full(min(-k, size), v[-1])))[:size]
-    if k >= size:
-        return np.full(size, INF)
-    return np.concatenate((np.full(k, INF), v[: size - k]))
-
-
 class _Programme:
     """The memoised recursion. A state is (c, b, crossing, root, whole_ok, depth):
 
@@ -433,14 +405,14 @@ class _Programme:
         self.size = grid + 1  # V[m] for m = 0..grid units
         # key -> (V, node it was computed at, options, best option per m); a key is the
         # state's description interned to an int (:meth:`key`), cheap to hash and to store
-        self.memo: dict[int, tuple[np.ndarray, int, list, np.ndarray]] = {}
+        self.memo: dict[int, tuple[Frontier, int, list]] = {}
         self._ids: dict[tuple, int] = {}
         self._suffix: dict[tuple[int, int], int] = {}
         self._interned: dict[tuple, int] = {}
         # the last node reading or saving each storage (its producer when none does)
         self.last_use = [ns[-1] if ns else p.producer[t] for t, ns in enumerate(p.needers)]
         self._wmax: dict[tuple[int, int, bool, int, int], list[int]] = {}
-        self._end = _value_array(self.size, 0.0)
+        self._end = constant(0, 0.0)
         self._keys: dict[tuple, int] = {}
         # Memos of what does not depend on the crossing state: a scan keeps hundreds of storages
         # crossing, and the same (tensor, context end) or selective region recurs in many states.
@@ -612,7 +584,7 @@ class _Programme:
             got = self._wmax[key] = np.maximum.accumulate(alive).tolist()
         return got
 
-    def selective_option(self, c, j, b, crossing, best, choice, options, keep):
+    def selective_option(self, c, j, b, crossing, best, options, keep):
         """Nodes [c, j) as a selective region at the root: the outputs of the ``keep`` nodes
         that the region saves are cached from the first forward (held until the region's
         backward ends) and those nodes are not recomputed; everything else is."""
@@ -637,16 +609,13 @@ class _Programme:
         nxt = tuple(sorted(nxt))
         rest_key = self.key(j, b, nxt, root, True, 0)
         rest = self.value_at(rest_key, j, b, nxt, root, True, 0)
-        if rest[-1] == INF:
+        if rest.top == INF:
             return best
         need = max(fwd, held + p.grad_after[j] + inner)
-        v = _shifted(rest, kept_bytes) + cost
-        v[: max(need, 0)] = INF
-        better = v < best
-        if better.any():
+        v = rest.shifted(kept_bytes, self.size).plus(cost).from_(max(need, 0))
+        best, better = improve(best, v, len(options))
+        if better:
             options.append(("selective", c, j, tuple(keep), rest_key, kept_bytes))
-            choice[better] = len(options) - 1
-            np.minimum(best, v, out=best)
         return best
 
     def selective_parts(
@@ -928,7 +897,7 @@ class _Programme:
         depth: int,
         credit: Credit = None,
         ctx_stash: int = 0,
-    ) -> np.ndarray:
+    ) -> Frontier:
         """``V[m]``: least recompute time from cut c to the context's end within m units, for
         the state whose :meth:`key` is ``key`` (callers keep the key: the choices they record
         name the state by it). ``ctx_stash``: units of fork_rng's copy the context's
@@ -942,8 +911,7 @@ class _Programme:
             raise OutOfTime
         p, size = self.p, self.size
         options: list = []
-        best = _value_array(size)
-        choice = np.zeros(size, np.int32)
+        best = EMPTY
         # A recomputation runs this context's nodes, so they cost time; the first forward
         # does not.
         run_s = p.prefix_time_s.__getitem__ if not root else lambda _: 0.0
@@ -957,25 +925,20 @@ class _Programme:
         if stopped is not None and stopped < size:
             # See simulate's Rule 5: the recomputation stops after node last_save's last save;
             # the nodes after it save nothing and do not run again, only their backward.
+            best, _ = improve(best, constant(stopped, run_s(last_save + 1) - run_s(c)), 0)
             options.append(("stop",))
-            choice[stopped:] = len(options) - 1
-            best[stopped:] = run_s(last_save + 1) - run_s(c)
         if last_save < c:  # nothing left saves: the recomputation stopped before c
             stopped = self.bwd_max(c, b, credit)  # Rule 4: their backward ran before it
             if stopped < size:
+                best, _ = improve(best, constant(stopped, 0.0), len(options))
                 options.append(("stop",))
-                choice[stopped:] = len(options) - 1
-                best[stopped:] = 0.0
         if need < size:
             rest_key = self.key(stop, b, nxt, root, True, depth, credit, ctx_stash)
             rest = self.value_at(rest_key, stop, b, nxt, root, True, depth, credit, ctx_stash)
-            v = _shifted(rest, kept_bytes)[need:] + (run_s(stop) - run_s(c))
-            tail = best[need:]  # below the need nothing fits
-            better = v < tail
-            if better.any():
+            v = rest.shifted(kept_bytes, size).from_(need)  # below the need nothing fits
+            best, better = improve(best, v.plus(run_s(stop) - run_s(c)), len(options))
+            if better:
                 options.append(("run", stop, rest_key, kept_bytes))
-                choice[need:][better] = len(options) - 1
-                np.minimum(tail, v, out=tail)
         # Nodes [c, j) form a region, for each allowed end j.
         if self.max_depth is None or depth < self.max_depth:
             cross_bytes = sum(p.size[t] for t, _ in crossing)
@@ -1013,24 +976,22 @@ class _Programme:
                     # arguments), so the recomputation stops before it; the nodes after it run
                     # only their backward, with the child's arguments still alive (Rule 3).
                     inner = self.value_at(inner_key, *inner_state)
-                    v = _shifted(inner, inner_shift) + p.overhead_s(c, j, "recompute")
+                    v = inner.shifted(inner_shift, size).plus(p.overhead_s(c, j, "recompute"))
                     # Rule 4: the nodes after the child run their backward before this
                     # recomputation, with nothing of it alive
-                    v[: self.bwd_max(j, b, credit)] = INF
-                    better = v < best
-                    if better.any():
+                    v = v.from_(self.bwd_max(j, b, credit))
+                    best, better = improve(best, v, len(options))
+                    if better:
                         options.append(("region", c, j, inner_key, inner_shift, None, 0))
-                        choice[better] = len(options) - 1
-                        np.minimum(best, v, out=best)
                 if fwd >= size:
                     continue
                 coarse = self.span_ends is not None or (self.is_coarse[c] and self.is_coarse[j])
                 if root and self.selective and coarse:
                     keeps = {tuple(i for i in range(c, j) if k[i]) for k in self.keep_sets}
                     for keep in sorted(keeps):
-                        best = self.selective_option(c, j, b, crossing, best, choice, options, keep)
+                        best = self.selective_option(c, j, b, crossing, best, options, keep)
                 inner = self.value_at(inner_key, *inner_state)
-                if inner[-1] == INF:
+                if inner.top == INF:
                     continue
                 kept_bytes, nxt = stash, [(t, False) for t in survivors[j]]
                 nxt += unread
@@ -1047,16 +1008,14 @@ class _Programme:
                 nxt = tuple(sorted(nxt))
                 rest_key = self.key(j, b, nxt, root, True, depth, credit, ctx_stash)
                 rest = self.value_at(rest_key, j, b, nxt, root, True, depth, credit, ctx_stash)
-                if rest[-1] == INF:
+                if rest.top == INF:
                     continue
-                # only budgets from the forward's need up (below it nothing fits): the same
-                # numbers on shorter vectors
-                v = _shifted(inner, inner_shift)[fwd:] + _shifted(rest, kept_bytes)[fwd:]
+                # only budgets from the forward's need up (below it nothing fits)
+                v = inner.shifted(inner_shift, size).add(rest.shifted(kept_bytes, size))
                 # the child runs in this context's recomputation, and costs its own overhead
-                v += run_s(j) - run_s(c) + p.overhead_s(c, j, "recompute")
-                tail = best[fwd:]
-                better = v < tail
-                if better.any():
+                v = v.from_(fwd).plus(run_s(j) - run_s(c) + p.overhead_s(c, j, "recompute"))
+                best, better = improve(best, v, len(options))
+                if better:
                     options.append(
                         (
                             "region",
@@ -1068,16 +1027,14 @@ class _Programme:
                             kept_bytes,
                         )
                     )
-                    choice[fwd:][better] = len(options) - 1
-                    np.minimum(tail, v, out=tail)
         if root and self.offload and (self.max_depth is None or depth < self.max_depth):
-            best = self.offload_options(c, b, crossing, best, choice, options)
-        self.memo[key] = (best, c, options, choice)
+            best = self.offload_options(c, b, crossing, best, options)
+        self.memo[key] = (best, c, options)
         WORK.states += 1
-        WORK.cells += size
+        WORK.cells += len(best)
         return best
 
-    def offload_options(self, c, b, crossing, best, choice, options):
+    def offload_options(self, c, b, crossing, best, options):
         """Nodes [c, j) as a top-level offload region, for each allowed end j: they run once,
         what they save of their own storages goes to host and comes back for the backward
         that reads it, their arguments stay to the region's end (Rule 7); no recomputation,
@@ -1095,7 +1052,7 @@ class _Programme:
                 break  # the region's working set only grows with j
             rest_key = self.key(j, b, nxt, True, True, 0)
             rest = self.value_at(rest_key, j, b, nxt, True, True, 0)
-            if rest[-1] == INF:
+            if rest.top == INF:
                 continue
             transfer_s = exposed_transfer_s(
                 sent_bytes,
@@ -1103,13 +1060,11 @@ class _Programme:
                 p.offload_bytes_per_s,
                 p.offload_overlap,
             )
-            v = _shifted(rest, kept_bytes) + (transfer_s + p.overhead_s(c, j, "offload"))
-            v[:need] = INF
-            better = v < best
-            if better.any():
+            v = rest.shifted(kept_bytes, self.size).from_(need)
+            v = v.plus(transfer_s + p.overhead_s(c, j, "offload"))
+            best, better = improve(best, v, len(options))
+            if better:
                 options.append(("offload", c, j, rest_key, kept_bytes))
-                choice[better] = len(options) - 1
-                np.minimum(best, v, out=best)
         return best
 
     def regions(self, key, m: int, at: int, depth: int = 0) -> list[Region]:
@@ -1117,9 +1072,9 @@ class _Programme:
         ``at`` (its value may have been computed elsewhere: shift by the difference)."""
         out: list[Region] = []
         while key is not None:
-            _, computed_at, options, choice = self.memo[key]
+            value, computed_at, options = self.memo[key]
             offset = at - computed_at
-            option = options[choice[m]]
+            option = options[value.label_at(m)]
             if option[0] == "stop":
                 break
             if option[0] == "run":
@@ -1202,21 +1157,26 @@ class Solved:
 
     graph: CostGraph
     programme: _Programme
-    root_value: np.ndarray
+    root: Frontier
 
     @property
     def unit_bytes(self) -> int:
         return self.programme.p.unit_bytes
 
+    @property
+    def root_value(self) -> np.ndarray:
+        """The whole step's ``V[m]`` at every unit of the grid."""
+        return dense(self.root, self.programme.size)
+
     def least_bytes(self) -> int | None:
         """Least budget (rounded up to the grid) any schedule of the space fits, or None."""
-        finite = np.flatnonzero(self.root_value < INF)
-        return None if not len(finite) else int(finite[0]) * self.unit_bytes
+        first = self.root.first
+        return None if first is None else first * self.unit_bytes
 
     def schedule(self, budget_bytes: float) -> Schedule | None:
         """The least-recompute schedule within ``budget_bytes``, or None if none fits."""
-        m = min(int(budget_bytes // self.unit_bytes), len(self.root_value) - 1)
-        if m < 0 or self.root_value[m] == INF:
+        m = min(int(budget_bytes // self.unit_bytes), self.programme.size - 1)
+        if m < 0 or self.root.at(m) == INF:
             return None
         prog = self.programme
         regions = prog.regions(prog.key(0, prog.p.n, (), True, True, 0), m, 0)
@@ -1231,7 +1191,7 @@ def solve_all(
 ) -> Solved:
     """Run the programme once for every budget up to ``cap_bytes`` (OutOfTime past
     ``deadline``, a ``time.process_time()`` value: dp's clock, see :func:`solve_dp`)."""
-    unit = max(1, math.ceil(cap_bytes / options.grid))
+    unit = 1 if options.grid is None else max(1, math.ceil(cap_bytes / options.grid))
     p = prices(graph, unit)
     p = replace(p, bounds=stage_bounds(graph, p.bounds, options.max_bounds))
     span = p.n if options.max_span is None else options.max_span
@@ -1278,7 +1238,7 @@ def without_selective(solved: Solved) -> Solved:
 
 
 # The least-memory schedule (:func:`least_memory`) is sought on dp's levels coarse to fine
-# (:func:`dp_levels`, from FIRST_STAGES stages, on the eager peak's grid), each one solved
+# (:func:`dp_levels`, from FIRST_STAGES stages), each one solved
 # whole, while the work the next is predicted to take (nominal, counted: ``WORK``) keeps the
 # whole search within this many nominal seconds. A fixed count, not the time limit: the least
 # stated must not move with the time a caller (auto's share for dp) leaves, nor with the load.
@@ -1358,12 +1318,12 @@ def _seek_least_memory(graph: CostGraph, options: DPOptions) -> LeastMemory:
     best = (eager, Schedule(), "the eager step")
     options = replace(options, first_stages=FIRST_STAGES)
     spent_s, done = 0.0, None  # nominal work so far; (size, nominal s) of the last level
-    levels = dp_levels(graph, eager, options)
+    levels = dp_levels(graph, options)
     for _, level_options, stages in levels:
         span = stages if level_options.max_span is None else min(level_options.max_span, stages)
-        # the work grows about as stages x span^2 x grid (Qwen2-MoE: 43 stages, span 4: 1.5 s;
-        # 178, span 8: 25 s)
-        size = stages * span * span * level_options.grid
+        # the work grows about as stages x span^2 (Qwen2-MoE: 43 stages, span 4: 1.5 s; 178,
+        # span 8: 25 s)
+        size = stages * span * span
         if done is not None and spent_s + done[1] * size / done[0] > LEAST_NOMINAL_S:
             break
         work0_s = WORK.nominal_s()
@@ -1371,7 +1331,8 @@ def _seek_least_memory(graph: CostGraph, options: DPOptions) -> LeastMemory:
         done = (size, WORK.nominal_s() - work0_s)
         spent_s += done[1]
         seen: set[tuple[Region, ...]] = set()
-        for m in np.flatnonzero(solved.root_value < INF)[:LEAST_CELLS]:
+        first, size = solved.root.first, solved.programme.size
+        for m in [] if first is None else range(first, min(first + LEAST_CELLS, size)):
             schedule = solved.schedule(int(m) * solved.unit_bytes)
             if schedule is None or schedule.regions in seen:
                 continue
@@ -1452,41 +1413,21 @@ def _solve_within(
     raise _NoFit
 
 
-def dp_levels(
-    graph: CostGraph, cap_bytes: float, options: DPOptions
-) -> list[tuple[str, DPOptions, int]]:
-    """The levels dp solves in turn, coarse to fine, up to ``cap_bytes``: (what the level is,
-    its options, its stage count). Finer stages (:func:`stage_levels`; regions then span at
-    most ``staged_span`` stages), or on a module-granular graph a finer grid
-    (:func:`grid_levels`)."""
+def dp_levels(graph: CostGraph, options: DPOptions) -> list[tuple[str, DPOptions, int]]:
+    """The levels dp solves in turn, coarse to fine: (what the level is, its options, its stage
+    count). Finer stages (:func:`stage_levels`; regions then span at most ``staged_span``
+    stages); one level on a module-granular graph."""
     bounds = tuple(region_bounds(graph))
-    levels = [(count, options.grid) for count in stage_levels(graph, options)]
-    if graph.region_spans is not None:
-        levels = [(levels[-1][0], grid) for grid in grid_levels(graph, cap_bytes, options)]
     out = []
-    for count, grid in levels:
+    for count in stage_levels(graph, options):
         stages = len(stage_bounds(graph, bounds, count))
         level = f"{count} stages" if count is not None else f"all {len(bounds)} boundaries"
-        if grid != options.grid:
-            level = f"a grid of {grid} steps"
-        level_options = replace(options, max_bounds=count, grid=grid)
+        level_options = replace(options, max_bounds=count)
         if stages < len(bounds) and options.max_span is not None:
             span = min(options.max_span, options.staged_span)
             level_options = replace(level_options, max_span=span)
         out.append((level, level_options, stages))
     return out
-
-
-def grid_levels(graph: CostGraph, budget_bytes: float, options: DPOptions) -> list[int]:
-    """The grids dp solves a module-granular graph on in turn, coarse to fine: ``grid``, then
-    GRID_GROWTH times finer while coarser than ``span_grid`` and than 1-byte steps. One grid
-    on other graphs (their levels are :func:`stage_levels`)."""
-    grids = [options.grid]
-    if graph.region_spans is None or options.span_grid is None:
-        return grids
-    while grids[-1] < min(options.span_grid, budget_bytes):
-        grids.append(min(grids[-1] * GRID_GROWTH, options.span_grid))
-    return grids
 
 
 def stage_levels(graph: CostGraph, options: DPOptions) -> list[int | None]:
@@ -1545,8 +1486,7 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     if eager <= budget_bytes:  # nothing to recompute (and no rounding to lose it to)
         return finish(graph, budget_bytes, [], "dp", "the eager step fits", gap=0.0)
     limit = time_limit_text(options)
-    # (stages, grid) of each level: finer stages, or (module-granular graphs) a finer grid
-    levels = dp_levels(graph, min(float(budget_bytes), eager), options)
+    levels = dp_levels(graph, options)
     staged = is_staged(graph, options)
     best: tuple[float, tuple[Region, ...], str, float | None] | None = None
     stopped = ""
@@ -1555,15 +1495,14 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     done: tuple[int, float] | None = None  # the last level solved: its size and nominal s
     work0_s = WORK.nominal_s()
     for level, level_options, stages in levels:
-        grid = level_options.grid
         level_work_s = WORK.nominal_s()
         if done is not None and best is not None:
-            # A level's work grows about linearly with its stages (LEVEL_GROWTH) and its grid
-            # (the value vectors' length): a refinement that cannot finish in the time left is
-            # not started, only to be cut short. A level that may give dp's first answer is
+            # A level's work grows about linearly with its stages (LEVEL_GROWTH): a
+            # refinement that cannot finish in the time left is not started, only to be cut
+            # short. A level that may give dp's first answer is
             # always tried (the prediction is conservative: Mamba-128's 192 stages take 2.6
             # times its 48, not 3.8). Time here is nominal (STATE_NOMINAL_S): counted work.
-            predicted_s = done[1] * stages * grid / done[0]
+            predicted_s = done[1] * stages / done[0]
             spent_s = level_work_s - work0_s
             left_s = search_s - spent_s
             of = f"the {limit}"
@@ -1587,9 +1526,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
             stopped = f"; refining to {level} cut short at the {limit}"
             break
         except _NoFit:
-            done = (stages * grid, WORK.nominal_s() - level_work_s)
+            done = (stages, WORK.nominal_s() - level_work_s)
             continue
-        done = (stages * grid, WORK.nominal_s() - level_work_s)
+        done = (stages, WORK.nominal_s() - level_work_s)
         step_s = simulate(graph, Schedule(tuple(regions))).step_time_s
         if best is not None and staged and step_s >= best[0] * (1 - REFINE_GAIN):
             if step_s < best[0]:
