@@ -129,17 +129,17 @@ def test_depth2_nest_in_place_predicted_equals_measured():
 
 @pytest.mark.parametrize(
     "max_depth, depth",
-    [(2, 1), (None, 2)],
+    [(2, 1), (None, 3)],
     ids=["max_depth=2", "uncapped"],
 )
 def test_dp_nests_gpt_ref_small_at_0_55_mib_as_measured(max_depth, depth):
     """GPT-ref-small at 0.55 MiB, the plans dp makes with and without a depth cap (dp
-    nests two levels deep uncapped). On main simulate predicted 561,480 B for the capped plan,
-    571,400 B measured, and 566,536 B for the uncapped one, 589,512 B measured; now both are
-    exact. Capped: a recomputation stopping at a nested region kept a 16 KiB residual alive
-    past its last reader before the stop (Rule 5). Uncapped, also the nested call's RNG stash
-    at the stop (Rule 12) and a storage read two levels down (Rule 3). At 0.54 MiB, where the
-    old prediction fitted an uncapped plan, none fits: dp states 574,216 B as the least."""
+    nests three levels deep uncapped, counting every byte; two on a 2048-step grid). On main
+    simulate predicted 561,480 B for the capped plan, 571,400 B measured, and 566,536 B for the
+    uncapped one, 589,512 B measured; now both are exact. Capped: a recomputation stopping at
+    a nested region kept a 16 KiB residual alive past its last reader before the stop (Rule 5).
+    Uncapped, also the nested call's RNG stash at the stop (Rule 12) and a storage read two
+    levels down (Rule 3)."""
     model, x = gpt_ref_small_example()
     priced = price(model, x, device="cpu")
     budget = int(0.55 * 2**20)
