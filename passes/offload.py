@@ -1,17 +1,19 @@
 """Carry out an offload region (simulate's Rule 7): what a region's call saves for backward
 waits in host memory, and each storage comes back when the backward that needs it runs.
 
-:func:`offloaded_call` runs one call of a region module under ``saved_tensors_hooks``. Only the
-storages the call itself makes are sent (the memory model's offloaded bytes): its parameters,
-buffers and arguments stay where they are, as they are alive on the device anyway. On CUDA a
-saved activation's storage is copied to pinned host memory on a side stream (so the copy
-overlaps the call's remaining forward), and copied back on the compute stream when autograd
-unpacks it. Copying back at the unpack, not ahead of it, keeps on the device exactly what Rule
-7 prices: bringing a whole region back as its backward started (measured on an H200,
-2026-11-27) held all of the region's storages at once, and took a plan priced at a third of
-eager's peak past eager's. The copy back is exposed step time (Rule 7). On the CPU the host is
-the device: the hooks run, nothing is copied, and the step computes exactly what it computes
-without them.
+Both forms run an offload region through :func:`offloaded_call`: the in-place form a module's
+call (``planner/inplace.py``), the graph form a region's body (``passes/rewrite.py``
+``CheckpointRegion``), so both carry out what Rule 7 prices. It runs one call under
+``saved_tensors_hooks``. Only the storages the call itself makes are sent (the memory model's
+offloaded bytes): the parameters and buffers of the module it runs, and its arguments, stay
+where they are, as they are alive on the device anyway. On CUDA a saved activation's storage
+is copied to pinned host memory on a side stream (so the copy overlaps the call's remaining
+forward), and copied back on the compute stream when autograd unpacks it. Copying back at the
+unpack, not ahead of it, keeps on the device exactly what Rule 7 prices: bringing a whole
+region back as its backward started (measured on an H200, 2026-11-27) held all of the region's
+storages at once, and took a plan priced at a third of eager's peak past eager's. The copy back
+is exposed step time (Rule 7). On the CPU the host is the device: the hooks run, nothing is
+copied, and the step computes exactly what it computes without them.
 
 Storages, as Rule 7 prices them, not the saved tensors: a storage goes to host once, however
 many views of it the call saves, and comes back once for the views unpacked while its copy back
@@ -167,8 +169,8 @@ def _kept(module: torch.nn.Module, args: tuple[Any, ...]) -> set[int]:
 
 @torch.compiler.disable(recursive=False)
 def offloaded_call(body: Callable[..., Any], module: torch.nn.Module, *args: Any) -> Any:
-    """``body(*args)`` (one call of ``module``) with what it saves for backward in host memory
-    (module docstring)."""
+    """``body(*args)`` (one call of ``module``, or of a graph region's body) with what it saves
+    for backward in host memory (module docstring)."""
     call = _Call(_kept(module, args))
     with torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack):
         return body(*args)
