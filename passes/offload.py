@@ -151,7 +151,6 @@ def _host_copy(storage: torch.UntypedStorage, pin: bool) -> torch.Tensor:
     return host.copy_(device_bytes, non_blocking=pin)
 
 
-@torch.compiler.disable
 def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
 
