@@ -8,7 +8,8 @@ are called the same way inside their parent's body. The input module is left unt
 Each region runs its nodes (the *body*, a small GraphModule) through
 ``torch.utils.checkpoint.checkpoint(body, *inputs, use_reentrant=False)`` ('recompute'), with an
 op-level policy from ``create_selective_checkpoint_contexts`` that keeps the outputs of
-``saved_nodes`` ('selective'), or under ``torch.autograd.graph.save_on_cpu`` ('offload').
+``saved_nodes`` ('selective'), or through ``passes/offload.py``'s ``offloaded_call`` ('offload':
+what the body makes and saves waits in host memory; its parameters and inputs stay).
 
 Why it trains exactly like the original:
 
@@ -52,6 +53,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner.passes.nodes import module_path, written_arguments
+from planner.passes.offload import offloaded_call
 from planner.solvers.errors import UnsupportedModelError
 
 CALL_OPS = ("call_function", "call_method", "call_module")
@@ -192,7 +194,10 @@ def _outside_selective_checkpointing() -> Iterator[None]:
 
 
 class CheckpointRegion(nn.Module):
-    """Runs ``body`` (a GraphModule of the region's nodes) under one checkpoint.
+    """Runs ``body`` (a GraphModule of the region's nodes) under one checkpoint, or, for an
+    offload region, through ``offloaded_call`` (``passes/offload.py``, as the in-place form),
+    which keeps the arguments (parameters among them) and the buffers and parameters of leaf
+    modules ``body`` calls on the device.
 
     ``body`` is kept out of the module tree on purpose: it holds no parameters of its own, and
     leaf modules it calls (symbolic_trace graphs) are already registered in the parent, so
@@ -223,11 +228,11 @@ class CheckpointRegion(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         body = self.body
-        if self.kind == "offload":
-            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return body(*args)
         if not torch.is_grad_enabled():
             return body(*args)
+        if self.kind == "offload":
+            # as the in-place form runs it: only what the body makes goes to host (Rule 7)
+            return offloaded_call(body, body, *args)
         fn, args = self._once(args) if self.state_inputs or self.state_buffers else (body, args)
         if self.kind == "selective":
             return checkpoint(

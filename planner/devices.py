@@ -42,7 +42,7 @@ DERATE = 0.6
 # The meta device (planning without hardware) is priced as this GPU unless told otherwise.
 META_DEFAULT = "a100-80gb"
 # How much of an offload region's own forward compute its copies to host hide behind on a GPU:
-# planner's executor (planner/offload.py) copies out on a side stream (copy engines run beside
+# planner's executor (passes/offload.py) copies out on a side stream (copy engines run beside
 # the SMs); the share left exposed stands for the region's last saves and PCIe contending with
 # HBM. (Its copies back are made at each unpack, all exposed: Rule 7.) An assumption, not a
 # measurement: set your own with DeviceProfile(...).

@@ -71,8 +71,8 @@ from torch.utils.checkpoint import (
 
 from planner import hf_checkpointing
 from planner.guard import remove_guard
-from planner.offload import offloaded_call
 from planner.passes.forward_wrapper import ForwardWrapper
+from planner.passes.offload import offloaded_call
 from planner.passes.parent_spans import forward_arity, node_labels, split_span, trace_parent
 from planner.passes.rewrite import (
     CALL_OPS,

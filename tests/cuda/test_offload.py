@@ -1,4 +1,4 @@
-"""Offload regions on CUDA (planner/offload.py, simulate's Rule 7): what a region saves goes to
+"""Offload regions on CUDA (passes/offload.py, simulate's Rule 7): what a region saves goes to
 pinned host memory on a side stream, overlapping the compute, and each storage comes back when
 the backward that needs it unpacks it. The gradients equal the model's own within tolerance
 (dropout included), the measured peak is the predicted one within 1%, and the copies out run on
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import planner
-from planner import offload
 from planner.inplace_form import build_inplace_plan, price_inplace
+from planner.passes import offload
 from planner.solvers.costgraph import Region, Schedule
 from tests.cuda.common import assert_close_step_copy, gpt
 

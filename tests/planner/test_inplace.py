@@ -98,12 +98,12 @@ def test_selective_and_nested_regions_keep_what_was_planned_bitwise(planned):
 
 
 def test_offload_regions_run_their_hooks_with_bitwise_gradients(planned, monkeypatch):
-    """An offload region in place (planner/offload.py): on the CPU the host is the device, so
+    """An offload region in place (passes/offload.py): on the CPU the host is the device, so
     nothing is copied, but every saved tensor goes through the pack and unpack hooks (the
     parameters and the block's input stay as they are), and the gradients are bitwise the
     model's own, dropout included."""
-    from planner import offload
     from planner.inplace_form import build_inplace_plan
+    from planner.passes import offload
     from planner.passes.eager import eager_graph
     from planner.solvers.costgraph import Region, Schedule
 
