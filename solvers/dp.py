@@ -29,7 +29,7 @@ holds top-level offload regions with nothing nested in them (simulate's Rule 7: 
 host, transfers partly hidden behind the region's compute), priced as the time they add to the
 step; exact against brute force over the same space too. Never by default on a CPU, where the
 host is the device (an offload frees nothing there). On a module-granular graph they are its
-spans (the in-place form runs them with ``planner/offload.py``).
+spans (the in-place form runs them with ``passes/offload.py``).
 
 The schedule space is every laminar family of recompute regions, nested to any depth. The
 programme walks a *context* (the whole step, or one region being recomputed) left to right.
