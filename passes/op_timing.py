@@ -189,6 +189,26 @@ def workspace_bytes(call: OpCall, device: torch.device) -> int:
     return _WORKSPACE_BYTES.get((str(device), call.key), 0)
 
 
+def measure_workspace_bytes(call: OpCall, device: torch.device) -> int:
+    """:func:`workspace_bytes` of ``call`` measured now by one untimed run on random tensors
+    (after a warm-up), for a call priced without timing it (a batch sweep's scaled calls:
+    scratch need not grow with the rows as time does). 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    generator = torch.Generator().manual_seed(0)
+    leaves = [_real(x, device, generator) for x in call.leaves]
+    args, kwargs = tree_unflatten(leaves, call.spec)
+    try:
+        with torch.no_grad():
+            call.op(*args, **kwargs)  # warm-up: lazy initialisation, algorithm search
+            workspace = _transient_bytes(call, args, kwargs, device)
+    except Exception:  # noqa: BLE001 - as timing: a call that fails on random tensors
+        return 0
+    key = (str(device), call.key)
+    _WORKSPACE_BYTES[key] = max(workspace, _WORKSPACE_BYTES.get(key, 0))
+    return _WORKSPACE_BYTES[key]
+
+
 def _transient_bytes(call: OpCall, args: tuple, kwargs: dict, device: torch.device) -> int:
     """One run of ``call`` on its (real, CUDA) arguments: the most the caching allocator held
     during it above what it held after it with the outputs still alive. The arguments are held

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -51,6 +50,7 @@ from planner.passes.op_timing import (
     allocated_bytes,
     measure_call_overhead_s,
     measure_checkpoint_overhead,
+    measure_workspace_bytes,
     time_call,
     workspace_bytes,
 )
@@ -450,7 +450,6 @@ class BatchSweep:
         self.last_calls: list[OpCall] | None = None
         # their figures (a pinned calibration object is not extended from one size to the next)
         self.last_times_s: dict[str, float | None] = {}
-        self.last_workspace_bytes: dict[str, int] = {}
 
 
 _SWEEP: ContextVar[BatchSweep | None] = ContextVar("planner_batch_sweep", default=None)
@@ -517,21 +516,6 @@ def scaled_times(calibration: Calibration, pairs: Pairs) -> dict[str, float]:
         for text, (small_s, ratio) in expected_times(calibration.op_times_s, pairs).items()
         if small_s >= SCALE_MIN_S and text not in calibration.op_times_s
     }
-
-
-def scaled_workspaces(
-    workspaces: Mapping[str, int], pairs: Pairs, scaled: Mapping[str, float]
-) -> dict[str, int]:
-    """The kernel workspaces of the calls priced from their counterparts (``scaled``, by
-    :func:`scaled_times`): the counterpart's figure in ``workspaces`` times their size ratio,
-    in the caching allocator's 512-byte blocks. A scaled call never runs, so nothing measures
-    its own; its scratch grows with its rows as its time does."""
-    out: dict[str, int] = {}
-    for small, large, ratio in pairs:
-        n = workspaces.get(small.key_text, 0)
-        if n and large.key_text in scaled:
-            out[large.key_text] = -(-math.ceil(n * ratio) // 512) * 512
-    return out
 
 
 def _distributed() -> bool:
@@ -624,26 +608,22 @@ class CalibrationTimer:
                 expected = {text: small_s * ratio for text, (small_s, ratio) in paired.items()}
                 scaled = _per_class_corrected(scaled_times(calibration, pairs), calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
-            # measured as they were timed (op_timing.workspace_bytes); the scaled ones from
-            # their counterparts
+            # measured as they were timed (op_timing.workspace_bytes); the scaled ones, not
+            # timed, by one run each: a kernel's scratch need not grow with its rows (a CUDA
+            # GPT at batch 4 measured 512 KiB above one scaled from batch 2)
+            made = {c.key_text: c for c in calls if c.key_text in new}
             workspaces = {
-                c.key_text: workspace_bytes(c, device) for c in calls if c.key_text in new
+                text: measure_workspace_bytes(c, device)
+                if text in (scaled or {})
+                else workspace_bytes(c, device)
+                for text, c in made.items()
             }
-            if sweep is not None and scaled:
-                earlier = {**sweep.last_workspace_bytes, **calibration.workspace_bytes}
-                for text, n in scaled_workspaces(earlier, pairs, scaled).items():
-                    workspaces[text] = max(n, workspaces.get(text, 0))
             if new:
                 calibration = calibration.with_times(new, workspaces)
             if sweep is not None:
                 sweep.last_calls = list(calls)
                 sweep.last_times_s = {
                     c.key_text: calibration.op_times_s.get(c.key_text) for c in calls
-                }
-                sweep.last_workspace_bytes = {
-                    c.key_text: n
-                    for c in calls
-                    if (n := calibration.workspace_bytes.get(c.key_text))
                 }
             signature = step_signature(calls)
             timed = self._time_small_step(calibration, calls, device, signature)

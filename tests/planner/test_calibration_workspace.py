@@ -15,7 +15,7 @@ from planner import calibration
 from planner.calibration import Calibration, CalibrationError, CalibrationTimer
 from planner.devices import profile_of_model
 from planner.passes.eager import eager_graph
-from planner.passes.op_timing import CheckpointOverhead, op_call
+from planner.passes.op_timing import CheckpointOverhead
 
 pytestmark = pytest.mark.filterwarnings("ignore::planner.LossFallbackWarning")
 
@@ -66,17 +66,44 @@ def test_a_version_1_file_is_measured_anew_or_refused_when_pinned(tmp_path):
         Calibration.load(path)
 
 
-def test_scaled_calls_take_their_counterparts_workspace_times_the_ratio():
-    a2, a4 = torch.randn(2, 8), torch.randn(4, 8)
-    w = torch.randn(8, 8)
-    small = op_call(torch.ops.aten.mm.default, (a2, w), {})
-    large = op_call(torch.ops.aten.mm.default, (a4, w), {})
-    pairs = [(small, large, 2.0)]
-    scaled = {large.key_text: 1e-3}
-    got = calibration.scaled_workspaces({small.key_text: 1000}, pairs, scaled)
-    assert got == {large.key_text: 2048}  # 2000 B in 512-byte blocks
-    assert calibration.scaled_workspaces({small.key_text: 1000}, pairs, {}) == {}  # timed
-    assert calibration.scaled_workspaces({}, pairs, scaled) == {}  # none to scale
+def test_a_sweeps_scaled_calls_have_their_workspace_measured_at_their_own_size(monkeypatch):
+    """fit_batch prices a larger batch's slow calls from the smaller batch's times, untimed;
+    their scratch is measured by one run each at their own size, not scaled (on CUDA a GPT at
+    batch 4 measured 512 KiB above the figure scaled from batch 2)."""
+    monkeypatch.setenv("PLANNER_CACHE", "0")
+    monkeypatch.setattr(calibration, "measure_call_overhead_s", lambda device: 0.0)
+    monkeypatch.setattr(
+        calibration, "measure_checkpoint_overhead", lambda device: CheckpointOverhead()
+    )
+    timed, measured = [], []
+
+    def time_call(call, device, repeats=5):
+        timed.append(call.key_text)
+        return 2e-3  # slow enough to be scaled at the next batch size (SCALE_MIN_S)
+
+    def measure_workspace_bytes(call, device):
+        measured.append(call.key_text)
+        return 4096
+
+    monkeypatch.setattr(calibration, "time_call", time_call)
+    monkeypatch.setattr(calibration, "workspace_bytes", lambda call, device: 0)
+    monkeypatch.setattr(calibration, "measure_workspace_bytes", measure_workspace_bytes)
+    monkeypatch.setattr(calibration, "_per_class_corrected", lambda scaled, calls, device: scaled)
+    calibration.forget()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    rates = profile_of_model(model)
+    timer = CalibrationTimer(torch.float32)
+    with calibration.batch_sweep():
+        for batch in (2, 4):
+            timed.clear()
+            eager_graph(model, torch.randn(batch, 8), rates=rates, time_ops=True, timer=timer)
+            if batch == 2:
+                assert timed and not measured  # timed: their scratch seen as they ran
+    assert measured and not set(measured) & set(timed)
+    used = timer.used.workspace_bytes
+    assert all(used[text] == 4096 for text in measured)
+    calibration.forget()
 
 
 def test_the_calibration_timer_keeps_and_prices_measured_workspaces(tmp_path, monkeypatch):
