@@ -1245,10 +1245,11 @@ def without_selective(solved: Solved) -> Solved:
 # Qwen2 graph form (112 boundaries): 40 stages 1.4 s, all 112 (predicted 16 s) 9.6 s, 661,128 B
 # against 739,424 B; Qwen2-MoE (178): 43 stages 1.5 s, all 178 predicted 25 s: not refined.
 LEAST_NOMINAL_S = 20.0
-# Of each level's table, the schedules of this many of its least finite budgets are replayed
-# through simulate and the lowest peak kept: the programme's rounded (and, where the graph
-# uses simulate's approximated rules, estimated) prices do not rank the few least schedules
-# as simulate does (Qwen2: its least cell 663,385 B by simulate, a later one 661,128 B).
+# Of each level's whole step, the schedules at this many of its least budgets where its value
+# changes (its frontier's first points) are replayed through simulate and the lowest peak
+# kept: where the graph uses simulate's approximated rules, the programme's estimated prices
+# do not rank the few least schedules as simulate does (Qwen2: its least cell 663,385 B by
+# simulate, a later one 661,128 B).
 LEAST_CELLS = 32
 # Least-memory schedules already sought, by (graph as least_memory sees it, its space): a
 # sweep of budgets, the flops objective's graph and auto's calls then seek it once.
@@ -1331,8 +1332,7 @@ def _seek_least_memory(graph: CostGraph, options: DPOptions) -> LeastMemory:
         done = (size, WORK.nominal_s() - work0_s)
         spent_s += done[1]
         seen: set[tuple[Region, ...]] = set()
-        first, size = solved.root.first, solved.programme.size
-        for m in [] if first is None else range(first, min(first + LEAST_CELLS, size)):
+        for m in solved.root.xs[:LEAST_CELLS]:  # the least budgets where the value changes
             schedule = solved.schedule(int(m) * solved.unit_bytes)
             if schedule is None or schedule.regions in seen:
                 continue

@@ -11,7 +11,11 @@ ilp 56.6%, dp over every interval 51.5%; the best schedule annealing found 50.24
   (44.0%), 178,404 B (43.1%) over every interval, nested; flat regions (ilp, the exact MILP)
   stop at 211,196 B (51.0%);
 - in place, spans of the root's own forward are regions too (``passes/parent_spans.py``), and it
-  plans at half as well: dp's least is 178,404 B (43.1%). Before those spans, the skips'
+  plans at half as well: dp's least is 178,676 B (43.1%; 178,404 B when dp rounded bytes to
+  2048 steps: it prices BatchNorm's buffer copies, Rule 9, only approximately, so which of the
+  schedules within a few hundred bytes of the least it lands on moves with rounding, and the
+  least it states is the best of those it replays through simulate). Before those spans, the
+  skips'
   ``torch.cat`` and ``F.max_pool2d`` ran in a forward that in place was no region (their
   outputs, 135,168 B at the peak, kept from the first forward): 74.6%, 81.6% with the stashes.
 
@@ -98,7 +102,7 @@ def test_both_forms_plan_the_small_unet_at_half_of_eager(unet):
     assert not any(r.preserve_rng_state for r in p.regions)  # no op of the U-Net draws
     assert planner.measure(p.module, x).peak_bytes == p.predicted_peak_bytes <= half
     # in place, spans of the root's forward hold its cats and max-pools
-    assert least["inplace", "dp"] == 178_404 < half
+    assert least["inplace", "dp"] == 178_676 < half
     p = planner.plan(model, x, half / 1e9, "dp", device="cpu")
     fresh = p.apply(copy.deepcopy(model))
     assert planner.measure(fresh, x).peak_bytes == p.predicted_peak_bytes <= half
