@@ -609,8 +609,8 @@ class CalibrationTimer:
                 scaled = _per_class_corrected(scaled_times(calibration, pairs), calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
             # measured as they were timed (op_timing.workspace_bytes); the scaled ones, not
-            # timed, by one run each: a kernel's scratch need not grow with its rows (a CUDA
-            # GPT at batch 4 measured 512 KiB above one scaled from batch 2)
+            # timed, by one run each: a kernel's scratch is its library's choice at each size
+            # (an algorithm, a split), not its rows times a ratio
             made = {c.key_text: c for c in calls if c.key_text in new}
             workspaces = {
                 text: measure_workspace_bytes(c, device)
