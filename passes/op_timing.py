@@ -195,9 +195,7 @@ def measure_workspace_bytes(call: OpCall, device: torch.device) -> int:
     scratch need not grow with the rows as time does). 0 on the CPU."""
     if device.type != "cuda":
         return 0
-    generator = torch.Generator().manual_seed(0)
-    leaves = [_real(x, device, generator) for x in call.leaves]
-    args, kwargs = tree_unflatten(leaves, call.spec)
+    args, kwargs = _real_arguments(call, device)
     try:
         with torch.no_grad():
             call.op(*args, **kwargs)  # warm-up: lazy initialisation, algorithm search
@@ -225,10 +223,15 @@ def _transient_bytes(call: OpCall, args: tuple, kwargs: dict, device: torch.devi
     return max(0, peak - max(before, after))
 
 
-def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None:
+def _real_arguments(call: OpCall, device: torch.device) -> tuple[Any, Any]:
+    """``call``'s arguments as real tensors on ``device``, random values (seed 0)."""
     generator = torch.Generator().manual_seed(0)
     leaves = [_real(x, device, generator) for x in call.leaves]
-    args, kwargs = tree_unflatten(leaves, call.spec)
+    return tree_unflatten(leaves, call.spec)
+
+
+def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None:
+    args, kwargs = _real_arguments(call, device)
 
     def run() -> None:
         call.op(*args, **kwargs)
