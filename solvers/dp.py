@@ -1165,7 +1165,8 @@ class Solved:
 
     @property
     def root_value(self) -> np.ndarray:
-        """The whole step's ``V[m]`` at every unit of the grid."""
+        """The whole step's ``V[m]`` at every unit of the grid, as an array (one float per
+        unit up to the cap: for small graphs and tests; :attr:`root` is the same function)."""
         return dense(self.root, self.programme.size)
 
     def least_bytes(self) -> int | None:
