@@ -183,9 +183,9 @@ def time_call(call: OpCall, device: torch.device, repeats: int = 5) -> float | N
 
 def workspace_bytes(call: OpCall, device: torch.device) -> int:
     """The bytes ``call`` allocates on ``device`` beyond its inputs and outputs and frees
-    before it returns (module docstring), as measured when it was last timed there (the most
-    any timing saw). 0 on the CPU, for a call not timed on ``device`` in this process, and for
-    one that did not run on random tensors."""
+    before it returns (module docstring), as measured when it was timed there, or by
+    :func:`measure_workspace_bytes` (the most any run saw). 0 on the CPU, for a call not run on
+    ``device`` in this process, and for one that did not run on random tensors."""
     return _WORKSPACE_BYTES.get((str(device), call.key), 0)
 
 
@@ -199,20 +199,19 @@ def measure_workspace_bytes(call: OpCall, device: torch.device) -> int:
     try:
         with torch.no_grad():
             call.op(*args, **kwargs)  # warm-up: lazy initialisation, algorithm search
-            workspace = _transient_bytes(call, args, kwargs, device)
+            _note_transient_bytes(call, args, kwargs, device)
     except Exception:  # noqa: BLE001 - as timing: a call that fails on random tensors
         return 0
-    key = (str(device), call.key)
-    _WORKSPACE_BYTES[key] = max(workspace, _WORKSPACE_BYTES.get(key, 0))
-    return _WORKSPACE_BYTES[key]
+    return workspace_bytes(call, device)
 
 
-def _transient_bytes(call: OpCall, args: tuple, kwargs: dict, device: torch.device) -> int:
+def _note_transient_bytes(call: OpCall, args: tuple, kwargs: dict, device: torch.device) -> None:
     """One run of ``call`` on its (real, CUDA) arguments: the most the caching allocator held
-    during it above what it held after it with the outputs still alive. The arguments are held
-    throughout, so nothing is freed by the call but its scratch; ``before`` matters only for
-    a call that returns less than it was given (none frees an argument). Resets the device's
-    peak statistics (``torch.cuda.reset_peak_memory_stats``)."""
+    during it above what it held after it with the outputs still alive, kept for
+    :func:`workspace_bytes` (the most any run saw). The arguments are held throughout, so
+    nothing is freed by the call but its scratch; ``before`` matters only for a call that
+    returns less than it was given (none frees an argument). Resets the device's peak
+    statistics (``torch.cuda.reset_peak_memory_stats``)."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -220,7 +219,8 @@ def _transient_bytes(call: OpCall, args: tuple, kwargs: dict, device: torch.devi
     after = torch.cuda.memory_allocated(device)
     peak = torch.cuda.max_memory_allocated(device)
     del out
-    return max(0, peak - max(before, after))
+    key = (str(device), call.key)
+    _WORKSPACE_BYTES[key] = max(peak - max(before, after), _WORKSPACE_BYTES.get(key, 0))
 
 
 def _real_arguments(call: OpCall, device: torch.device) -> tuple[Any, Any]:
@@ -246,9 +246,7 @@ def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None
             run()  # warm-up: lazy initialisation, allocator growth
             sync()
             if device.type == "cuda":  # after the warm-up: no lazy set-up, no algorithm search
-                workspace = _transient_bytes(call, args, kwargs, device)
-                key = (str(device), call.key)
-                _WORKSPACE_BYTES[key] = max(workspace, _WORKSPACE_BYTES.get(key, 0))
+                _note_transient_bytes(call, args, kwargs, device)
             t0 = now()
             run()
             sync()

@@ -73,9 +73,14 @@ from planner import hf_checkpointing
 from planner.guard import remove_guard
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.offload import offloaded_call
-from planner.passes.parent_spans import forward_arity, node_labels, split_span, trace_parent
+from planner.passes.parent_spans import (
+    call_nodes,
+    forward_arity,
+    node_labels,
+    split_span,
+    trace_parent,
+)
 from planner.passes.rewrite import (
-    CALL_OPS,
     CheckpointRegion,
     NamedRegion,
     _outside_selective_checkpointing,
@@ -499,7 +504,7 @@ class _ParentSpans(ForwardWrapper):
         if gm is not None:
             return gm
         gm = trace_parent(module)
-        order, labels = [n.name for n in gm.graph.nodes if n.op in CALL_OPS], node_labels(gm)
+        order, labels = [n.name for n in call_nodes(gm)], node_labels(gm)
         named, by_name, stack = [], {}, []
         for k, r in enumerate(sorted(self.regions, key=lambda r: _outer_first(r, labels))):
             a, b = _node_span(r, labels)

@@ -121,9 +121,7 @@ def improve(best: Frontier, option: Frontier, label: int) -> tuple[Frontier, boo
     b_ys, o_ys = best.ys[bi], option.ys[oi]
     b_ys[bi < 0] = INF
     o_ys[oi < 0] = INF
-    better = o_ys < b_ys
-    if not better.any():
-        return best, False
+    better = o_ys < b_ys  # somewhere, by the check above
     ys = np.where(better, o_ys, b_ys)
     labels = np.where(better, np.int32(label), best.labels[bi]).astype(np.int32)
     keep = ys < INF  # and a point only where the value or the option changes (not at repeats)
