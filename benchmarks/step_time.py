@@ -152,27 +152,38 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
         modules[r.batch_size] = fit.plans[r.batch_size].apply(fresh)
     peaks = {b: planner.measure(m, inputs[b]).peak_bytes for b, m in modules.items()}
     samples: dict[int, list[float]] = {b: [] for b in modules}
+    # CPU time in the kernel (page faults: glibc maps and unmaps each large tensor afresh),
+    # which no call timed alone on reused memory shows, over user + system, warm-ups included
+    system: dict[int, list[float]] = {b: [0.0, 0.0] for b in modules}
     for _ in range(repeats):
         for b, m in modules.items():
+            before = os.times()
             samples[b].append(time_step(m, inputs[b], repeats=1, clock=CLOCK).step_s)
+            after = os.times()
+            system[b][0] += after.system - before.system
+            system[b][1] += after.user - before.user + after.system - before.system
     print(
         f"\n## fit_batch on {name}: cap = eager's measured peak at batch {cap_batch}, "
         f"{cap_bytes / 2**20:.2f} MiB\n"
     )
     print(
         "| batch | solver | predicted peak | measured peak | <= cap | predicted samples/s "
-        "| measured samples/s | error |"
+        "| measured samples/s (slowest-fastest round) | error | system time |"
     )
-    print("|---:|---|---:|---:|---|---:|---:|---:|")
+    print("|---:|---|---:|---:|---|---:|---:|---:|---:|")
     measured_rate = {}
     for r in rows:
         measured_rate[r.batch_size] = r.batch_size / statistics.median(samples[r.batch_size])
         error = r.samples_per_s / measured_rate[r.batch_size] - 1
+        spread = f"{r.batch_size / max(samples[r.batch_size]):,.2f}-"
+        spread += f"{r.batch_size / min(samples[r.batch_size]):,.2f}"
+        kernel_s, cpu_s = system[r.batch_size]
         print(
             f"| {r.batch_size} | {r.solver} | {r.predicted_peak_bytes / 2**20:.2f} MiB "
             f"| {peaks[r.batch_size] / 2**20:.2f} MiB "
             f"| {'yes' if peaks[r.batch_size] <= cap_bytes else '**no**'} "
-            f"| {r.samples_per_s:,.1f} | {measured_rate[r.batch_size]:,.1f} | {error:+.1%} |"
+            f"| {r.samples_per_s:,.2f} | {measured_rate[r.batch_size]:,.2f} ({spread}) "
+            f"| {error:+.1%} | {kernel_s / max(cpu_s, 1e-9):.0%} |"
         )
     best = max(measured_rate, key=measured_rate.get)
     ratio = measured_rate[fit.best_batch_size] / measured_rate[best]
