@@ -15,7 +15,9 @@ Times on a shared machine are noisy; say so when you quote them.
 ``--fit-batch`` checks ``planner.fit_batch`` instead: the cap is the unmodified model's measured
 peak at batch ``--cap-batch``; every batch size the sweep tries that fits is measured (peak and
 step time, interleaved) against its predicted peak and samples/s, and the pick against the
-measured best.
+measured best. Each row also gives its slowest and fastest round and the share of its CPU time
+spent in the kernel (on a CPU, page faults: 10-25% at GPT-ref's batch 32 and 64, varying from
+run to run, where the calls' timings may or may not have paid them).
 """
 
 from __future__ import annotations
@@ -152,8 +154,8 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
         modules[r.batch_size] = fit.plans[r.batch_size].apply(fresh)
     peaks = {b: planner.measure(m, inputs[b]).peak_bytes for b, m in modules.items()}
     samples: dict[int, list[float]] = {b: [] for b in modules}
-    # CPU time in the kernel (page faults: glibc maps and unmaps each large tensor afresh),
-    # which no call timed alone on reused memory shows, over user + system, warm-ups included
+    # The share of CPU time in the kernel, warm-ups included: mostly page faults (glibc maps a
+    # tensor of 32 MiB or more afresh unless a free heap chunk fits), which vary run to run
     system: dict[int, list[float]] = {b: [0.0, 0.0] for b in modules}
     for _ in range(repeats):
         for b, m in modules.items():
