@@ -15,8 +15,7 @@ ilp 56.6%, dp over every interval 51.5%; the best schedule annealing found 50.24
   2048 steps: it prices BatchNorm's buffer copies, Rule 9, only approximately, so which of the
   schedules within a few hundred bytes of the least it lands on moves with rounding, and the
   least it states is the best of those it replays through simulate). Before those spans, the
-  skips'
-  ``torch.cat`` and ``F.max_pool2d`` ran in a forward that in place was no region (their
+  skips' ``torch.cat`` and ``F.max_pool2d`` ran in a forward that in place was no region (their
   outputs, 135,168 B at the peak, kept from the first forward): 74.6%, 81.6% with the stashes.
 
 The floor whatever the schedule is 178,320 B (43.1%), at the backward of the stem's max-pool:
