@@ -47,7 +47,6 @@ from planner.passes.op_timing import (
     DeviceTiming,
     OpCall,
     TensorSpec,
-    allocated_bytes,
     measure_call_overhead_s,
     measure_checkpoint_overhead,
     measure_workspace_bytes,
@@ -67,8 +66,10 @@ CACHE_DIR_ENV = "PLANNER_CACHE_DIR"
 CACHE_ENV = "PLANNER_CACHE"  # "0" (or "false", "off", "no"): no disk cache
 DEFAULT_CACHE_DIR = Path("~/.cache/planner")
 FORMAT = "planner-calibration"
-# 2: kernel workspaces (``workspace_bytes``); a version-1 file lacks them and is measured anew
-VERSION = 2
+# 2: kernel workspaces (``workspace_bytes``); a version-1 file lacks them and is measured anew.
+# 3: CPU calls timed on data evicted from the caches (``passes/op_timing.py``); a version-2
+# file's figures, timed on hot data, are measured anew.
+VERSION = 3
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
 # per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
@@ -387,42 +388,23 @@ def _grown_by(small: OpCall, large: OpCall) -> float | None:
     return ratio
 
 
-# glibc's malloc serves a request of this many bytes or more from a fresh mmap, whatever the
-# process freed before (the ceiling of its dynamic threshold on 64-bit systems,
-# DEFAULT_MMAP_THRESHOLD_MAX), and unmaps it on free: a call that returns a tensor this large
-# page-faults it in page by page every time, in the step as when timed alone, while a smaller
-# one reuses heap the allocator already holds. GPT-ref's eager step at batch 32 takes 450-720 k
-# minor faults (0.65-1.0 s of system time, 10% of the step) against 22 k at batch 16.
-MMAP_THRESHOLD_BYTES = 32 << 20
-
-
-def size_class(call: OpCall) -> bool:
-    """Whether ``call`` allocates a storage of MMAP_THRESHOLD_BYTES or more (one it cannot run
-    on the meta device counts as below)."""
-    return max(allocated_bytes(call) or [0]) >= MMAP_THRESHOLD_BYTES
-
-
-def _per_class_corrected(
+def _per_op_corrected(
     scaled: Mapping[str, float], calls: Sequence[OpCall], device: torch.device
 ) -> dict[str, float]:
-    """``scaled`` with each (op, :func:`size_class`) group's figures corrected by one of its
-    calls timed: its largest.
+    """``scaled`` with each op's figures corrected by one of its calls timed: its largest.
 
     Linear scaling holds for compute-bound calls (matmuls: GPT-ref's within 4% from batch 8 to
     64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
-    pointwise products 2.7-3.9 times their scaled figure at batch 64): the group's largest call
-    is timed and the ratio of its time to its scaled figure applied to the group's other calls.
-    Per size class, not per op: a call that allocates past MMAP_THRESHOLD_BYTES pays page
-    faults its op's other calls do not (GPT-ref's batch 32: ``mm`` (8192x256)@(256x1024),
-    32 MiB out, took 39.7 ms timed; the factor of the op's largest call, one of its matmuls of
-    the same FLOPs with an output of 8 MiB or less, priced it 28.7 ms). A few timed calls per
-    batch size instead of hundreds. A largest call timed over RETIME_JUMP times its scaled
-    figure is timed again (:func:`_checked`): its factor prices the whole group."""
+    pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's largest call
+    is timed and the ratio of its time to its scaled figure applied to the op's other calls.
+    A few timed calls per batch size instead of hundreds. A largest call timed over
+    RETIME_JUMP times its scaled figure is timed again (:func:`_checked`): its factor prices
+    the whole op. (The page faults of an output of 32 MiB or more, which glibc maps afresh,
+    once made such calls a class of their own; timings now leave them out, ``_cold_cpu_s``.)"""
     by_text = {c.key_text: c for c in calls}
-    groups: dict[tuple[str, bool], list[tuple[float, str]]] = {}
+    groups: dict[str, list[tuple[float, str]]] = {}
     for text, seconds in scaled.items():
-        call = by_text[text]
-        groups.setdefault((str(call.op), size_class(call)), []).append((seconds, text))
+        groups.setdefault(str(by_text[text].op), []).append((seconds, text))
     out: dict[str, float] = {}
     for group in groups.values():
         largest_s, largest = max(group)
@@ -442,9 +424,9 @@ class BatchSweep:
     A larger batch's step makes the same calls on tensors with more rows: each call whose
     counterpart (the same occurrence of the same op, tensors grown by one ratio r:
     :func:`paired_calls`) took at least SCALE_MIN_S is priced at r times that
-    (:func:`scaled_times`), corrected by the largest call of its op and size class timed
-    (:func:`_per_class_corrected`), instead of being timed again, so a sweep times the calls of
-    its small batch sizes and one or two calls per op of the larger ones."""
+    (:func:`scaled_times`), corrected by the largest call of its op timed
+    (:func:`_per_op_corrected`), instead of being timed again, so a sweep times the calls of
+    its small batch sizes and one call per op of the larger ones."""
 
     def __init__(self) -> None:
         self.last_calls: list[OpCall] | None = None
@@ -606,7 +588,7 @@ class CalibrationTimer:
                 earlier_s = {**sweep.last_times_s, **calibration.op_times_s}
                 paired = expected_times(earlier_s, pairs)
                 expected = {text: small_s * ratio for text, (small_s, ratio) in paired.items()}
-                scaled = _per_class_corrected(scaled_times(calibration, pairs), calls, device)
+                scaled = _per_op_corrected(scaled_times(calibration, pairs), calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
             # measured as they were timed (op_timing.workspace_bytes); the scaled ones, not
             # timed, by one run each: a kernel's scratch is its library's choice at each size

@@ -7,9 +7,16 @@ import torch
 
 from benchmarks.models import gpt_ref_small_example
 from planner.devices import profile_of_model
+from planner.passes import op_timing
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import call_overhead_s, checkpoint_overhead, op_call, time_calls
+from planner.passes.op_timing import (
+    call_overhead_s,
+    checkpoint_overhead,
+    op_call,
+    time_call,
+    time_calls,
+)
 from planner.passes.step import StepTime
 
 
@@ -41,6 +48,41 @@ def test_calls_are_timed_on_real_tensors_and_failures_left_to_the_roofline():
     assert set(times) == {mm.key}  # the shape mismatch cannot run: not timed
     assert 0 < times[mm.key] < 1.0
     assert call_overhead_s(torch.device("cpu")) >= 0
+
+
+def test_cpu_calls_are_timed_on_data_evicted_from_the_caches():
+    """A memory-bound call whose data fit in the L2 cache runs back to back far faster than in
+    a step, where its inputs were written ops before: timed on evicted data it costs more."""
+    cpu = torch.device("cpu")
+    x = torch.randn(64, 1024)  # 256 KiB: held by the L2 cache when repeated back to back
+    add = op_call(torch.ops.aten.add.Tensor, (x, x), {})
+    args, kwargs = op_timing._real_arguments(add, cpu)
+    hot_s = op_timing._stretch_s(lambda: add.op(*args, **kwargs), cpu, 5)
+    assert time_call(add, cpu) > 1.3 * hot_s
+
+
+def test_the_eviction_covers_the_largest_cache_sysfs_reports(monkeypatch, tmp_path):
+    sizes = {"index0": "32K", "index2": "1024K", "index3": "32768K"}
+    for index, size in sizes.items():
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    monkeypatch.setattr(
+        op_timing.glob, "glob", lambda _: [str(tmp_path / i / "size") for i in sizes]
+    )
+    assert op_timing._last_level_cache_bytes() == 32 << 20
+    (tmp_path / "index3" / "size").write_text("1G\n")  # a cache past the cap: capped
+    assert op_timing._last_level_cache_bytes() == op_timing.MAX_CACHE_BYTES
+    monkeypatch.setattr(op_timing.glob, "glob", lambda _: [])  # no sysfs: the default
+    assert op_timing._last_level_cache_bytes() == op_timing.DEFAULT_CACHE_BYTES
+
+
+def test_masks_are_timed_as_runs_not_random_bits():
+    """Masks in models come in runs (causal, padding) that a kernel's branches predict; random
+    bits priced GPT-ref's causal masked_fill at 2.7 times its time in the step."""
+    scores, mask = torch.randn(4, 6), torch.zeros(4, 6, dtype=torch.bool)
+    call = op_call(torch.ops.aten.masked_fill.Scalar, (scores, mask, 0.0), {})
+    args, _ = op_timing._real_arguments(call, torch.device("cpu"))
+    assert args[1].flatten().tolist() == [False] * 12 + [True] * 12
 
 
 def test_select_backward_is_timed_once_whatever_its_position():

@@ -392,43 +392,36 @@ def test_a_sweep_times_again_a_call_priced_far_above_its_smaller_counterpart(cac
     assert MEASUREMENTS["retimed"] > 0
 
 
-def test_a_sweep_corrects_scaled_calls_per_op_and_size_class(monkeypatch):
-    """A call that allocates MMAP_THRESHOLD_BYTES (32 MiB) or more is mapped fresh and
-    page-faulted on every call, as its op's smaller calls are not: the correction of scaled
-    figures times the largest call of each (op, size class), not only the op's largest. The
-    fake timer prices a matmul by its FLOPs, 1.4x for a 32 MiB output (GPT-ref's batch 32:
-    ``mm`` (8192x256)@(256x1024) timed 39.7 ms, priced 28.7 ms from the op's largest call,
-    one of its matmuls of the same FLOPs with an output of 8 MiB or less). No real kernel
-    runs: shapes only (the meta device)."""
-    mm = torch.ops.aten.mm.default
+def test_a_sweep_corrects_scaled_calls_per_op(monkeypatch):
+    """Scaled figures are corrected by timing one call per op, its largest, and applying that
+    call's ratio of timed to scaled figure to the op's other calls: a memory-bound op slows
+    down per element once its tensors outgrow the caches. The fake timer prices a matmul 1.3x
+    its FLOPs and an add 3x its elements, against figures scaled at 1x. No real kernel runs:
+    shapes only (the meta device)."""
+    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
 
-    def call(m: int, k: int, n: int):
-        a = torch.empty(m, k, device="meta")
-        b = torch.empty(k, n, device="meta")
-        return op_call(mm, (a, b), {})
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, device="meta")
 
-    faulted = call(8192, 256, 1024)  # 32 MiB out: at the threshold
-    faulted_half = call(8192, 128, 1024)  # 32 MiB out, half the FLOPs
-    weight_grad = call(1024, 8192, 512)  # 2 MiB out, the op's largest (2x the FLOPs)
+    shapes = [(8192, 256, 1024), (1024, 8192, 512), (8192, 128, 1024)]
+    matmuls = [op_call(mm, (meta(m, k), meta(k, n)), {}) for m, k, n in shapes]
+    adds = [op_call(add, (meta(n), meta(n)), {}) for n in (1 << 20, 1 << 22)]
+
+    def work(c) -> float:
+        sizes = [x.shape for x in c.leaves if isinstance(x, TensorSpec)]
+        if c.op == mm:
+            (m, k), (_, n) = sizes
+            return 1e-12 * m * k * n
+        return 1e-9 * sizes[0][0]
 
     def fake_time_call(c, device, repeats=5):
-        (m, k), (_, n) = (x.shape for x in c.leaves if isinstance(x, TensorSpec))
-        return 1e-12 * m * k * n * (1.4 if m * n * 4 >= 32 << 20 else 1.0)
+        return work(c) * (1.3 if c.op == mm else 3.0)
 
     monkeypatch.setattr(calibration, "time_call", fake_time_call)
-    assert [calibration.size_class(c) for c in (faulted, faulted_half, weight_grad)] == [
-        True,
-        True,
-        False,
-    ]
-    calls = [faulted, faulted_half, weight_grad]
-    # the figures scaled linearly from a smaller batch: FLOPs at the unfaulted rate
-    scaled = {
-        c.key_text: fake_time_call(c, None) / (1.4 if c is not weight_grad else 1.0) for c in calls
-    }
+    calls = [*matmuls, *adds]
+    scaled = {c.key_text: work(c) for c in calls}
     MEASUREMENTS.clear()
-    out = calibration._per_class_corrected(scaled, calls, torch.device("cpu"))
-    assert MEASUREMENTS["ops"] == 2  # one timed call per (op, size class)
+    out = calibration._per_op_corrected(scaled, calls, torch.device("cpu"))
+    assert MEASUREMENTS["ops"] == 2  # one timed call per op
     for c in calls:
         assert out[c.key_text] == pytest.approx(fake_time_call(c, None), rel=1e-12)
-    assert out[faulted_half.key_text] == pytest.approx(1.4e-12 * 8192 * 128 * 1024)

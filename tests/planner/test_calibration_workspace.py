@@ -88,7 +88,7 @@ def test_a_sweeps_scaled_calls_have_their_workspace_measured_at_their_own_size(m
     monkeypatch.setattr(calibration, "time_call", time_call)
     monkeypatch.setattr(calibration, "workspace_bytes", lambda call, device: 0)
     monkeypatch.setattr(calibration, "measure_workspace_bytes", measure_workspace_bytes)
-    monkeypatch.setattr(calibration, "_per_class_corrected", lambda scaled, calls, device: scaled)
+    monkeypatch.setattr(calibration, "_per_op_corrected", lambda scaled, calls, device: scaled)
     calibration.forget()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
