@@ -131,9 +131,9 @@ MIN_STRETCH_S = 1e-3
 SLOW_CALL_S = 20e-3
 SLOW_REPEATS = 3
 # The last-level cache assumed where sysfs does not say (``_evict_caches``), and the most
-# evicted: past it the eviction costs more than the calls it prepares.
+# written to evict one (kept for the process; writing it takes a few milliseconds per run).
 DEFAULT_CACHE_BYTES = 32 << 20
-MAX_CACHE_BYTES = 128 << 20
+MAX_EVICTION_BYTES = 128 << 20
 
 
 def time_calls(
@@ -358,7 +358,7 @@ def fault_cost_s() -> float:
 @functools.cache
 def _eviction_buffer() -> torch.Tensor:
     # Twice the last-level cache: writing it leaves none of the timed call's data cached.
-    return torch.empty(2 * _last_level_cache_bytes() // 4)
+    return torch.empty(min(2 * _last_level_cache_bytes(), MAX_EVICTION_BYTES) // 4)
 
 
 def _evict_caches() -> None:
@@ -366,14 +366,14 @@ def _evict_caches() -> None:
 
 
 def _last_level_cache_bytes() -> int:
-    """The largest CPU cache's size as Linux reports it (sysfs), else 32 MiB."""
-    sizes = [DEFAULT_CACHE_BYTES]
+    """The largest CPU cache's size as Linux reports it (sysfs), else DEFAULT_CACHE_BYTES."""
+    sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         with contextlib.suppress(OSError, ValueError):
             text = Path(path).read_text().strip().upper()
             unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
             sizes.append(int(text.rstrip("KMG")) * unit)
-    return min(max(sizes), MAX_CACHE_BYTES)
+    return max(sizes, default=DEFAULT_CACHE_BYTES)
 
 
 @functools.cache

@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -388,33 +389,40 @@ def _grown_by(small: OpCall, large: OpCall) -> float | None:
     return ratio
 
 
+# How many of an op's largest calls ``_per_op_corrected`` times at a new batch size.
+CORRECTION_CALLS = 3
+
+
 def _per_op_corrected(
     scaled: Mapping[str, float], calls: Sequence[OpCall], device: torch.device
 ) -> dict[str, float]:
-    """``scaled`` with each op's figures corrected by one of its calls timed: its largest.
+    """``scaled`` with each op's figures corrected by a few of its calls timed: its largest.
 
     Linear scaling holds for compute-bound calls (matmuls: GPT-ref's within 4% from batch 8 to
     64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
-    pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's largest call
-    is timed and the ratio of its time to its scaled figure applied to the op's other calls.
-    A few timed calls per batch size instead of hundreds. A largest call timed over
-    RETIME_JUMP times its scaled figure is timed again (:func:`_checked`): its factor prices
-    the whole op. (The page faults of an output of 32 MiB or more, which glibc maps afresh,
-    once made such calls a class of their own; timings now leave them out, ``_cold_cpu_s``.)"""
+    pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's CORRECTION_CALLS
+    largest calls are timed, and the median of their ratios of timed to scaled figure applied
+    to the op's other calls. One call's ratio alone carried its timing's noise to the whole op
+    (GPT-ref's matmuls at batch 8 once priced 1.2 times their figures at batch 4 and 16, per
+    FLOP). A few timed calls per batch size instead of hundreds; one timed over RETIME_JUMP
+    times its scaled figure is timed again (:func:`_checked`)."""
     by_text = {c.key_text: c for c in calls}
     groups: dict[str, list[tuple[float, str]]] = {}
     for text, seconds in scaled.items():
         groups.setdefault(str(by_text[text].op), []).append((seconds, text))
     out: dict[str, float] = {}
     for group in groups.values():
-        largest_s, largest = max(group)
-        timed = _checked(by_text[largest], time_call(by_text[largest], device), largest_s, device)
-        MEASUREMENTS["ops"] += 1
-        factor = 1.0 if timed is None else timed / largest_s
+        timed: dict[str, float] = {}
+        factors = []
+        for seconds, text in sorted(group, reverse=True)[:CORRECTION_CALLS]:
+            figure = _checked(by_text[text], time_call(by_text[text], device), seconds, device)
+            MEASUREMENTS["ops"] += 1
+            if figure is not None:
+                timed[text] = figure
+                factors.append(figure / seconds)
+        factor = statistics.median(factors) if factors else 1.0
         for seconds, text in group:
-            out[text] = seconds * factor
-        if timed is not None:
-            out[largest] = timed
+            out[text] = timed.get(text, seconds * factor)
     return out
 
 
@@ -426,7 +434,7 @@ class BatchSweep:
     :func:`paired_calls`) took at least SCALE_MIN_S is priced at r times that
     (:func:`scaled_times`), corrected by the largest call of its op timed
     (:func:`_per_op_corrected`), instead of being timed again, so a sweep times the calls of
-    its small batch sizes and one call per op of the larger ones."""
+    its small batch sizes and a few calls per op of the larger ones."""
 
     def __init__(self) -> None:
         self.last_calls: list[OpCall] | None = None

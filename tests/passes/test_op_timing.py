@@ -66,12 +66,11 @@ def test_the_eviction_covers_the_largest_cache_sysfs_reports(monkeypatch, tmp_pa
     for index, size in sizes.items():
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")
-    monkeypatch.setattr(
-        op_timing.glob, "glob", lambda _: [str(tmp_path / i / "size") for i in sizes]
-    )
+    paths = [str(tmp_path / index / "size") for index in sizes]
+    monkeypatch.setattr(op_timing.glob, "glob", lambda _: paths)
     assert op_timing._last_level_cache_bytes() == 32 << 20
-    (tmp_path / "index3" / "size").write_text("1G\n")  # a cache past the cap: capped
-    assert op_timing._last_level_cache_bytes() == op_timing.MAX_CACHE_BYTES
+    (tmp_path / "index3" / "size").write_text("1G\n")
+    assert op_timing._last_level_cache_bytes() == 1 << 30
     monkeypatch.setattr(op_timing.glob, "glob", lambda _: [])  # no sysfs: the default
     assert op_timing._last_level_cache_bytes() == op_timing.DEFAULT_CACHE_BYTES
 

@@ -393,17 +393,18 @@ def test_a_sweep_times_again_a_call_priced_far_above_its_smaller_counterpart(cac
 
 
 def test_a_sweep_corrects_scaled_calls_per_op(monkeypatch):
-    """Scaled figures are corrected by timing one call per op, its largest, and applying that
-    call's ratio of timed to scaled figure to the op's other calls: a memory-bound op slows
-    down per element once its tensors outgrow the caches. The fake timer prices a matmul 1.3x
-    its FLOPs and an add 3x its elements, against figures scaled at 1x. No real kernel runs:
-    shapes only (the meta device)."""
+    """Scaled figures are corrected by timing an op's largest calls and applying the median of
+    their ratios of timed to scaled figure to the op's other calls: a memory-bound op slows
+    down per element once its tensors outgrow the caches, and one noisy timing does not move
+    the whole op. The fake timer prices a matmul 1.3x its FLOPs (its largest call 1.6x, as a
+    burst of load would) and an add 3x its elements, against figures scaled at 1x. No real
+    kernel runs: shapes only (the meta device)."""
     mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
 
     def meta(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, device="meta")
 
-    shapes = [(8192, 256, 1024), (1024, 8192, 512), (8192, 128, 1024)]
+    shapes = [(8192, 256, 1024), (1024, 8192, 512), (8192, 128, 1024), (512, 128, 256)]
     matmuls = [op_call(mm, (meta(m, k), meta(k, n)), {}) for m, k, n in shapes]
     adds = [op_call(add, (meta(n), meta(n)), {}) for n in (1 << 20, 1 << 22)]
 
@@ -415,13 +416,16 @@ def test_a_sweep_corrects_scaled_calls_per_op(monkeypatch):
         return 1e-9 * sizes[0][0]
 
     def fake_time_call(c, device, repeats=5):
-        return work(c) * (1.3 if c.op == mm else 3.0)
+        if c.op == add:
+            return 3.0 * work(c)
+        return work(c) * (1.6 if c is matmuls[1] else 1.3)
 
     monkeypatch.setattr(calibration, "time_call", fake_time_call)
     calls = [*matmuls, *adds]
     scaled = {c.key_text: work(c) for c in calls}
     MEASUREMENTS.clear()
     out = calibration._per_op_corrected(scaled, calls, torch.device("cpu"))
-    assert MEASUREMENTS["ops"] == 2  # one timed call per op
-    for c in calls:
+    assert MEASUREMENTS["ops"] == calibration.CORRECTION_CALLS + 2  # the 3 largest mm, both adds
+    for c in calls:  # the timed calls keep their figures; the smallest mm is priced at 1.3x
         assert out[c.key_text] == pytest.approx(fake_time_call(c, None), rel=1e-12)
+    assert out[matmuls[3].key_text] == pytest.approx(1.3 * work(matmuls[3]), rel=1e-12)
