@@ -52,13 +52,20 @@ def test_calls_are_timed_on_real_tensors_and_failures_left_to_the_roofline():
 
 def test_cpu_calls_are_timed_on_data_evicted_from_the_caches():
     """A memory-bound call whose data fit in the L2 cache runs back to back far faster than in
-    a step, where its inputs were written ops before: timed on evicted data it costs more."""
+    a step, where its inputs were written ops before: timed on evicted data it costs more
+    (2-3.7x for this add on the 2-core CI machine)."""
     cpu = torch.device("cpu")
-    x = torch.randn(64, 1024)  # 256 KiB: held by the L2 cache when repeated back to back
+    x = torch.randn(32, 1024)  # 128 KiB: its inputs and output stay in the core's L2 cache
     add = op_call(torch.ops.aten.add.Tensor, (x, x), {})
     args, kwargs = op_timing._real_arguments(add, cpu)
-    hot_s = op_timing._stretch_s(lambda: add.op(*args, **kwargs), cpu, 5)
-    assert time_call(add, cpu) > 1.3 * hot_s
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # timed by this process's CPU time: a busy other core moves it less
+    try:
+        hot_s = op_timing._stretch_s(lambda: add.op(*args, **kwargs), cpu, 5)
+        cold_s = time_call(add, cpu)
+    finally:
+        torch.set_num_threads(threads)
+    assert cold_s > 1.5 * hot_s
 
 
 def test_the_eviction_covers_the_largest_cache_sysfs_reports(monkeypatch, tmp_path):
