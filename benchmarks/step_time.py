@@ -16,8 +16,8 @@ Times on a shared machine are noisy; say so when you quote them.
 peak at batch ``--cap-batch``; every batch size the sweep tries that fits is measured (peak and
 step time, interleaved) against its predicted peak and samples/s, and the pick against the
 measured best. Each row also gives its slowest and fastest round and the share of its CPU time
-spent in the kernel (on a CPU, page faults: 10-25% at GPT-ref's batch 32 and 64, varying from
-run to run, where the calls' timings may or may not have paid them).
+spent in the kernel (on a CPU, page faults: 9-23% at GPT-ref's batch 32 and 64, varying from
+run to run; the prediction leaves them out, README: page faults).
 """
 
 from __future__ import annotations

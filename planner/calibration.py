@@ -402,10 +402,9 @@ def _per_op_corrected(
     64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
     pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's CORRECTION_CALLS
     largest calls are timed, and the median of their ratios of timed to scaled figure applied
-    to the op's other calls. One call's ratio alone carried its timing's noise to the whole op
-    (GPT-ref's matmuls at batch 8 once priced 1.2 times their figures at batch 4 and 16, per
-    FLOP). A few timed calls per batch size instead of hundreds; one timed over RETIME_JUMP
-    times its scaled figure is timed again (:func:`_checked`)."""
+    to the op's other calls: one call's ratio alone would carry its timing's noise to every
+    call of the op. A few timed calls per batch size instead of hundreds; one timed over
+    RETIME_JUMP times its scaled figure is timed again (:func:`_checked`)."""
     by_text = {c.key_text: c for c in calls}
     groups: dict[str, list[tuple[float, str]]] = {}
     for text, seconds in scaled.items():
@@ -432,7 +431,7 @@ class BatchSweep:
     A larger batch's step makes the same calls on tensors with more rows: each call whose
     counterpart (the same occurrence of the same op, tensors grown by one ratio r:
     :func:`paired_calls`) took at least SCALE_MIN_S is priced at r times that
-    (:func:`scaled_times`), corrected by the largest call of its op timed
+    (:func:`scaled_times`), corrected by its op's largest calls timed
     (:func:`_per_op_corrected`), instead of being timed again, so a sweep times the calls of
     its small batch sizes and a few calls per op of the larger ones."""
 
