@@ -276,7 +276,8 @@ def _repeats_after(first_s: float, repeats: int) -> int:
 
 def _stretch_s(run: Callable[[], None], device: torch.device, repeats: int) -> float:
     """The fastest of ``repeats`` stretches of back-to-back runs (MIN_STRETCH_S each), per run:
-    on an accelerator, where kernels queue behind one another as in a step."""
+    on an accelerator, where kernels queue behind one another as in a step, and for calls whose
+    data stays in the CPU's caches (``hot``)."""
     now = clock(device)
 
     def sync() -> None:
