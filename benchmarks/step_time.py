@@ -17,7 +17,7 @@ peak at batch ``--cap-batch``; every batch size the sweep tries that fits is mea
 step time, interleaved) against its predicted peak and samples/s, and the pick against the
 measured best. Each row also gives its slowest and fastest round and the share of its CPU time
 spent in the kernel (on a CPU, page faults: 9-23% at GPT-ref's batch 32 and 64, varying from
-run to run; the prediction leaves them out, README: page faults).
+run to run; the prediction charges a share of them, README: page faults).
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner.passes.op_timing import DeviceTiming, OpCall, Timer, measure_timing
+from planner.passes.op_timing import FRESH_SHARE, DeviceTiming, Timer, measure_timing
 from planner.passes.step import StepTime
-from planner.passes.trace import OpRecord, Segment, Storage, Tracker, is_tensor
+from planner.passes.trace import OpRecord, RecordedCall, Segment, Storage, Tracker, is_tensor
 from planner.solvers.costgraph import BufferChange, CostGraph, GradBuffer, Node, Tensor
 from planner.solvers.op_classes import SCORE_OPS, is_fused_attention, op_class_tags, short_op_name
 from planner.solvers.rates import DeviceProfile
@@ -181,11 +181,17 @@ def with_measured_times(
     """``graph`` with node times from its aten calls timed on ``device`` (the tracker recorded
     them: ``record_calls``) and the checkpoint overhead measured there, both from ``timer``
     (``op_timing.Timer``; None: ``op_timing.measure_timing``)."""
-    calls = [call for recorded in tracker.calls.values() for call, _, _ in recorded if call]
+    calls = [r.call for recorded in tracker.calls.values() for r in recorded if r.call]
     timing = (timer or measure_timing)(calls, device)
     if step_time is None:
         step_time = timing.step_time
     times, how = _measured_times(tracker, timing, rates, step_time)
+    fresh = timing.fresh_memory
+    if fresh.min_bytes is not None:
+        how += (
+            f"; blocks of {fresh.min_bytes / 2**20:g} MiB or more mapped afresh, "
+            f"{fresh.seconds_per_byte * 2**30:.2f} s per GiB ({FRESH_SHARE:.0%} of them)"
+        )
     if timing.source:
         how += f"; calibration: {timing.source}"
     graph, folded = with_workspaces(graph, tracker, timing.workspace_bytes)
@@ -290,14 +296,14 @@ def _measured_times(
     """
     measured = timing.op_times_s
 
-    def alone(call: OpCall | None, flops: float, moved: float) -> float:
-        seconds = None if call is None else measured.get(call.key_text)
+    def alone(r: RecordedCall) -> float:
+        seconds = None if r.call is None else measured.get(r.call.key_text)
         if seconds is None:
-            return max(flops / rates.flops_per_s, moved / rates.bytes_per_s)
-        return seconds
+            seconds = max(r.flops / rates.flops_per_s, r.moved_bytes / rates.bytes_per_s)
+        return seconds + timing.fresh_memory.cost_s(r.allocated_bytes)
 
     alone_s: dict[tuple[str, int], float] = {
-        where: sum(alone(*entry) for entry in recorded) for where, recorded in tracker.calls.items()
+        where: sum(map(alone, recorded)) for where, recorded in tracker.calls.items()
     }
     if step_time is None:
         overhead_s = timing.call_overhead_s

@@ -22,6 +22,10 @@ CUDA the host runs ahead of the kernels, so it is not added there. Likewise each
 region costs its own bookkeeping (saved-tensor hooks, RNG state, the recomputation's set-up):
 :func:`checkpoint_overhead_s` measures that once per device.
 
+A timed call leaves out the pages it faults in (a call on memory the allocator reuses), and
+:class:`FreshMemory` prices them apart: on a CPU, glibc maps each block of 32 MiB or more
+afresh, and a step pays for a share of its large blocks' pages whichever calls allocate them.
+
 The same runs measure memory no fake tensor shows: on CUDA a kernel may allocate scratch
 through the caching allocator inside its call and free it before returning (cuDNN
 convolutions' workspaces, reductions' scratch, dropout's and log-softmax's buffers), which
@@ -38,6 +42,8 @@ import contextlib
 import functools
 import glob
 import mmap
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -345,28 +351,123 @@ def minor_faults() -> int:
     return 0 if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-@functools.cache
+# How malloc maps a large block: memory of this process alone (Python's default, a shared
+# mapping, faults its pages in at 1.7 times the cost here).
+_PRIVATE_ANONYMOUS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
 def fault_cost_s() -> float:
-    """CPU seconds the first touch of a fresh page costs (the kernel zeroes and maps it): a
-    fresh 64 MiB mapping written twice, the first write's excess per fault; the median of
-    three such mappings, as another process's memory traffic stretches one or the other."""
+    """CPU seconds the first touch of a fresh page costs (the kernel zeroes and maps it)."""
+    return _mapping_costs_s()[0]
+
+
+@functools.cache
+def _mapping_costs_s() -> tuple[float, float]:
+    """Per page of a fresh mapping: what its first touch costs, and what unmapping it costs. A
+    fresh 64 MiB mapping written twice, the first write's excess per fault, then closed; the
+    median of three such mappings, as another process's memory traffic stretches one or the
+    other."""
+    if resource is None:  # no fault count (Windows): nothing to take off or add
+        return 0.0, 0.0
     now = clock(torch.device("cpu"))
 
-    def once() -> float:
-        with mmap.mmap(-1, 64 << 20) as region:
-            pages = torch.frombuffer(region, dtype=torch.uint8)
-            faults = minor_faults()
-            t0 = now()
-            pages.fill_(1)
-            first_s = now() - t0
-            faults = minor_faults() - faults
-            t0 = now()
-            pages.fill_(2)
-            again_s = now() - t0
-            del pages  # before the mapping closes
-        return max(0.0, first_s - again_s) / faults if faults else 0.0
+    def once() -> tuple[float, float]:
+        region = mmap.mmap(-1, 64 << 20, flags=_PRIVATE_ANONYMOUS)
+        pages = torch.frombuffer(region, dtype=torch.uint8)
+        faults = minor_faults()
+        t0 = now()
+        pages.fill_(1)
+        first_s = now() - t0
+        faults = minor_faults() - faults
+        t0 = now()
+        pages.fill_(2)
+        again_s = now() - t0
+        del pages  # before the mapping closes
+        t0 = now()
+        region.close()
+        unmap_s = now() - t0
+        if not faults:
+            return 0.0, 0.0
+        return max(0.0, first_s - again_s) / faults, unmap_s / faults
 
-    return statistics.median(once() for _ in range(3))
+    fault_s, unmap_s = zip(*(once() for _ in range(3)))
+    return statistics.median(fault_s), statistics.median(unmap_s)
+
+
+def fresh_mapping_s_per_byte() -> float:
+    """What a block of memory mapped afresh costs a step per byte: its pages faulted in on
+    first touch, and unmapped when it is freed (``FreshMemory``)."""
+    return sum(_mapping_costs_s()) / mmap.PAGESIZE
+
+
+# glibc's malloc maps a block afresh (mmap) when no free heap chunk fits it and it is at least
+# its threshold, which starts at 128 KiB and rises to each such block freed up to this (on a
+# 64-bit machine), where it stays: in a training loop, every block of 32 MiB or more.
+GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
+# The share of a step's blocks mapped afresh that it pays for (``FreshMemory``): between none
+# (each lands in a free heap chunk a tensor freed before left) and all; which follows the
+# heap's history and moves from step to step. Pages faulted per step over the bytes of these
+# blocks, six CPU training steps at large batches, averaged over 4-8 steps each: GPT-ref
+# planned at batch 64, 0.78; at 32, 0.38; eager at 32, 0.32; a 4-layer GPT of width 512,
+# 0.65; an MLP of 8192 x 2048 rows, 1.0; the pointwise model of tests/passes/
+# test_fresh_memory.py, 1.0. Their mean, 0.69.
+FRESH_SHARE = 0.7
+
+
+@dataclass(frozen=True)
+class FreshMemory:
+    """What a CPU step pays for blocks its allocator maps afresh at every allocation, and
+    unmaps at every free, instead of reusing memory: their pages, faulted in zeroed on first
+    touch. With glibc's defaults that is every block of 32 MiB or more: at GPT-ref's batch 64
+    a fifth of the step's CPU time (README: page faults).
+
+    ``min_bytes``: the smallest block mapped afresh (None: the allocator reuses every size, as
+    glibc does with ``MALLOC_MMAP_MAX_=0``, or jemalloc, or CUDA's caching allocator);
+    ``seconds_per_byte``: :func:`fresh_mapping_s_per_byte`, measured on this machine.
+    """
+
+    min_bytes: int | None = None
+    seconds_per_byte: float = 0.0
+
+    def cost_s(self, allocated_bytes: Iterable[int]) -> float:
+        """Seconds a call that allocates blocks of these sizes pays for them (FRESH_SHARE of
+        those mapped afresh)."""
+        if self.min_bytes is None:
+            return 0.0
+        fresh_bytes = sum(n for n in allocated_bytes if n >= self.min_bytes)
+        return FRESH_SHARE * fresh_bytes * self.seconds_per_byte
+
+
+def mapped_afresh_min_bytes(device: torch.device) -> int | None:
+    """The smallest block this process's allocator for ``device`` maps afresh (``FreshMemory``),
+    from its settings: glibc's on Linux, as its environment variables leave them (read once at
+    start-up: a process that calls ``mallopt`` itself is not seen); None for another device,
+    C library, or an allocator preloaded in its place (jemalloc, tcmalloc, mimalloc), which
+    keep freed memory for reuse."""
+    if device.type != "cpu" or platform.libc_ver()[0] != "glibc":
+        return None
+    env = os.environ
+    if any(name in env.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc")):
+        return None
+    tunables = dict(
+        item.partition("=")[::2] for item in env.get("GLIBC_TUNABLES", "").split(":") if item
+    )
+    mmap_max = env.get("MALLOC_MMAP_MAX_", tunables.get("glibc.malloc.mmap_max"))
+    threshold = env.get("MALLOC_MMAP_THRESHOLD_", tunables.get("glibc.malloc.mmap_threshold"))
+    try:
+        if mmap_max is not None and int(mmap_max) == 0:
+            return None
+        return GLIBC_MMAP_THRESHOLD_MAX_BYTES if threshold is None else int(threshold)
+    except ValueError:  # glibc ignores a malformed setting, and so does this
+        return GLIBC_MMAP_THRESHOLD_MAX_BYTES
+
+
+def fresh_memory(device: torch.device) -> FreshMemory:
+    """:class:`FreshMemory` of ``device`` in this process, its cost measured here."""
+    min_bytes = mapped_afresh_min_bytes(device)
+    if min_bytes is None:
+        return FreshMemory()
+    return FreshMemory(min_bytes, fresh_mapping_s_per_byte())
 
 
 @functools.cache
@@ -578,7 +679,8 @@ class DeviceTiming:
     seconds per call of each call timed (by :attr:`OpCall.key_text`; None: it did not run on
     random tensors, price it by the roofline), seconds a step spends per call around the call
     itself (:func:`call_overhead_s`), the checkpoint bookkeeping (:func:`checkpoint_overhead`),
-    and the calls' kernel workspaces (:func:`workspace_bytes`).
+    the calls' kernel workspaces (:func:`workspace_bytes`), and the cost of blocks the
+    allocator maps afresh (:class:`FreshMemory`).
 
     ``planner/calibration.py`` keeps one per device, in the process and on disk, and hands it to
     ``estimate`` / ``eager_graph`` through their ``timer``.
@@ -594,6 +696,8 @@ class DeviceTiming:
     # Kernel workspace bytes of the calls that have one (:func:`workspace_bytes`), by
     # :attr:`OpCall.key_text`; a call not listed has none (always so off CUDA).
     workspace_bytes: Mapping[str, int] = field(default_factory=dict)
+    # What the blocks a call allocates cost when the allocator maps them afresh
+    fresh_memory: FreshMemory = FreshMemory()
 
 
 # What ``estimate(..., time_ops=True)`` calls with the step's recorded calls and the device:
@@ -611,4 +715,5 @@ def measure_timing(calls: Sequence[OpCall], device: torch.device) -> DeviceTimin
         checkpoint=checkpoint_overhead(device),
         source="timed in this process",
         workspace_bytes={text: n for text, n in workspaces.items() if n},
+        fresh_memory=fresh_memory(device),
     )

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -143,14 +143,24 @@ def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+class RecordedCall(NamedTuple):
+    """One aten call of the step as the estimator prices it: the call (None if it cannot be
+    rebuilt), its FLOPs and roofline traffic, and the bytes of each storage it allocated."""
+
+    call: OpCall | None
+    flops: int
+    moved_bytes: int
+    allocated_bytes: tuple[int, ...]
+
+
 class Tracker(TorchDispatchMode):
     """Sees every aten op under the fake mode: new storages, frees, FLOPs, bytes moved."""
 
     def __init__(self, record_calls: bool = False) -> None:
         super().__init__()
         self.record_calls = record_calls
-        # (phase, node) -> [(the call, or None if it cannot be rebuilt, FLOPs, bytes moved)]
-        self.calls: dict[tuple[str, int], list[tuple[OpCall | None, int, int]]] = defaultdict(list)
+        # (phase, node) -> its calls, in order
+        self.calls: dict[tuple[str, int], list[RecordedCall]] = defaultdict(list)
         self.live_bytes = 0
         self.peak_bytes = 0
         self.by_key: dict[int, Storage] = {}
@@ -243,10 +253,14 @@ class Tracker(TorchDispatchMode):
             moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
             self.moved_bytes[where] += moved
         call = op_call(func, args, kwargs, flat) if self.record_calls else None
-        if self.record_calls:
-            self.calls[where].append((call, flops, moved))
+        allocated = []
         for t in outs:
-            self.track(t)
+            known = self.lookup(t) is not None
+            rec = self.track(t)
+            if not known and rec is not None:
+                allocated.append(rec.nbytes)
+        if self.record_calls:
+            self.calls[where].append(RecordedCall(call, flops, moved, tuple(allocated)))
         if call is not None:
             self._note_call(call)
         return out

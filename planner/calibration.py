@@ -46,8 +46,11 @@ from planner.file_format import check_header
 from planner.passes.op_timing import (
     CheckpointOverhead,
     DeviceTiming,
+    FreshMemory,
     OpCall,
     TensorSpec,
+    fresh_mapping_s_per_byte,
+    mapped_afresh_min_bytes,
     measure_call_overhead_s,
     measure_checkpoint_overhead,
     measure_workspace_bytes,
@@ -70,7 +73,9 @@ FORMAT = "planner-calibration"
 # 2: kernel workspaces (``workspace_bytes``); a version-1 file lacks them and is measured anew.
 # 3: CPU calls timed on data evicted from the caches (``passes/op_timing.py``); a version-2
 # file's figures, timed on hot data, are measured anew.
-VERSION = 3
+# 4: what a block mapped afresh costs (``fresh_mapping_s_per_byte``), and page faults taken
+# off timed calls at the cost of a private mapping's (version 3 priced a shared one's).
+VERSION = 4
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
 # per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
@@ -92,7 +97,9 @@ class Calibration:
     checkpointed whole, selective whole; the last two None where it could not be
     checkpointed). ``workspace_bytes``: the kernel workspace of each call timed that has one
     (``op_timing.workspace_bytes``: CUDA only), by ``OpCall.key_text``, measured in the same
-    runs as its time; a call timed here and not listed has none.
+    runs as its time; a call timed here and not listed has none. ``fresh_mapping_s_per_byte``:
+    on a CPU, what a block of memory mapped afresh costs per byte (``op_timing.FreshMemory``;
+    which blocks are is the process's allocator settings', not the calibration's).
     """
 
     device: str
@@ -105,6 +112,7 @@ class Calibration:
         default_factory=dict
     )
     workspace_bytes: Mapping[str, int] = field(default_factory=dict)
+    fresh_mapping_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         # read-only: a calibration shared by plans must not change under them
@@ -117,11 +125,15 @@ class Calibration:
     def key(self) -> tuple[str, str, str]:
         return (self.device, self.torch_version, self.dtype)
 
-    def timing(self, source: str = "", step: str | None = None) -> DeviceTiming:
+    def timing(
+        self, source: str = "", step: str | None = None, device: torch.device | None = None
+    ) -> DeviceTiming:
         """The torch-free data the estimator prices with (``passes/op_timing.DeviceTiming``),
-        with the step of signature ``step`` if it was timed whole."""
+        with the step of signature ``step`` if it was timed whole, and the blocks this
+        process's allocator for ``device`` maps afresh."""
         timed = self.step_times_s.get(step) if step is not None else None
         step_time = None if timed is None else StepTime(*timed)
+        min_bytes = None if device is None else mapped_afresh_min_bytes(device)
         return DeviceTiming(
             self.op_times_s,
             self.call_overhead_s,
@@ -129,6 +141,7 @@ class Calibration:
             source,
             step_time,
             self.workspace_bytes,
+            FreshMemory(min_bytes, self.fresh_mapping_s_per_byte),
         )
 
     def with_times(
@@ -159,6 +172,7 @@ class Calibration:
             "op_times_s": dict(sorted(self.op_times_s.items())),
             "step_times_s": {k: list(v) for k, v in sorted(self.step_times_s.items())},
             "workspace_bytes": dict(sorted(self.workspace_bytes.items())),
+            "fresh_mapping_s_per_byte": self.fresh_mapping_s_per_byte,
         }
 
     @classmethod
@@ -187,6 +201,7 @@ class Calibration:
                     for k, v in body.get("step_times_s", {}).items()
                 },
                 workspace_bytes={str(k): int(v) for k, v in body["workspace_bytes"].items()},
+                fresh_mapping_s_per_byte=float(body["fresh_mapping_s_per_byte"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CalibrationError(
@@ -293,6 +308,7 @@ def _measure_new(device: torch.device, dtype: str) -> Calibration:
         dtype=dtype,
         call_overhead_s=measure_call_overhead_s(device),
         checkpoint=measure_checkpoint_overhead(device),
+        fresh_mapping_s_per_byte=fresh_mapping_s_per_byte() if device.type == "cpu" else 0.0,
     )
 
 
@@ -636,7 +652,7 @@ class CalibrationTimer:
         if not isinstance(self.pinned, Calibration):
             _PROCESS[calibration.key] = calibration
         self.used = calibration
-        return calibration.timing(f"{calibration.device}, {self.source}", signature)
+        return calibration.timing(f"{calibration.device}, {self.source}", signature, device)
 
     def _time_small_step(
         self,

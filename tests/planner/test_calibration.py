@@ -23,6 +23,7 @@ from planner import calibration
 from planner.calibration import MEASUREMENTS, Calibration, CalibrationError
 from planner.devices import profile_of_model
 from planner.fsdp import per_rank
+from planner.passes import op_timing
 from planner.passes.eager import eager_graph
 from planner.passes.op_timing import CheckpointOverhead, TensorSpec, op_call
 from planner.solvers.costgraph import Schedule
@@ -105,6 +106,8 @@ def test_on_disk_round_trip(cache):
     assert loaded == held and len(loaded.op_times_s) == MEASUREMENTS["ops"] - before
     assert loaded.device == calibration.device_name(torch.device("cpu"))
     assert loaded.torch_version == torch.__version__ and loaded.dtype == "float32"
+    # what a block mapped afresh costs is measured once and kept (0 without a fault count)
+    assert (loaded.fresh_mapping_s_per_byte > 0) == (op_timing.resource is not None)
     # a new process (nothing held): read from disk, nothing measured, the same plan
     _fresh_process()
     counts = dict(MEASUREMENTS)

@@ -1,0 +1,144 @@
+"""Blocks the CPU allocator maps afresh, and their price in a step (op_timing.FreshMemory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.page_faults import LargeBlocks
+from planner.devices import profile_of_model
+from planner.measurement import _step
+from planner.passes import op_timing
+from planner.passes.capture import capture
+from planner.passes.estimate import estimate
+from planner.passes.op_timing import FRESH_SHARE, DeviceTiming, FreshMemory
+
+glibc = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
+CPU = torch.device("cpu")
+MiB = 1 << 20
+
+
+@glibc
+def test_glibc_settings_decide_which_blocks_are_mapped_afresh(monkeypatch):
+    for name in ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    assert op_timing.mapped_afresh_min_bytes(CPU) == 32 * MiB  # glibc's defaults
+    assert op_timing.mapped_afresh_min_bytes(torch.device("cuda")) is None  # a caching allocator
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 * MiB))
+    assert op_timing.mapped_afresh_min_bytes(CPU) == 4 * MiB
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")  # the README's setting: nothing mapped
+    assert op_timing.mapped_afresh_min_bytes(CPU) is None
+    monkeypatch.delenv("MALLOC_MMAP_MAX_")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.check=0:glibc.malloc.mmap_max=0")
+    assert op_timing.mapped_afresh_min_bytes(CPU) is None
+    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.mmap_threshold={MiB}")
+    assert op_timing.mapped_afresh_min_bytes(CPU) == MiB
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert op_timing.mapped_afresh_min_bytes(CPU) is None
+
+
+# benchmarks.page_faults' pointwise model (blocks of 32 MiB only), stepped in a process: the
+# bytes of its large blocks per step, those faulted in per step, and the allocator's setting.
+_STEPS = textwrap.dedent(
+    """
+    import json, statistics, torch
+    from benchmarks.page_faults import faulted_share
+    from planner.passes.op_timing import mapped_afresh_min_bytes
+
+    torch.set_num_threads(1)
+    large, faulted, _ = faulted_share("pointwise", steps=4)
+    print(json.dumps({
+        "large_bytes": large,
+        "faulted_bytes": statistics.mean(faulted),
+        "min_bytes": mapped_afresh_min_bytes(torch.device("cpu")),
+    }))
+    """
+)
+
+
+def _steps_in_a_process(**env: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", _STEPS],
+        env={**base, **env, "PYTHONPATH": root},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+@glibc
+def test_training_steps_fault_their_large_blocks_in_unless_glibc_is_told_not_to():
+    """What FreshMemory stands on, in real training steps: with glibc's defaults a step faults
+    in a large share of its blocks of 32 MiB or more, every step (FRESH_SHARE of them is
+    charged); with the README's settings, little."""
+    default = _steps_in_a_process()
+    assert default["min_bytes"] == 32 * MiB
+    assert default["large_bytes"] >= 8 * 32 * MiB
+    assert default["faulted_bytes"] >= FRESH_SHARE * default["large_bytes"]  # all, here
+    tuned = _steps_in_a_process(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 36))
+    assert tuned["min_bytes"] is None
+    assert tuned["large_bytes"] == default["large_bytes"]
+    assert tuned["faulted_bytes"] < 0.15 * tuned["large_bytes"]  # one block of 14, here
+
+
+def test_a_fresh_mapping_costs_its_faults_and_unmapping():
+    fault_s, unmap_s = op_timing._mapping_costs_s()
+    assert fault_s == op_timing.fault_cost_s()
+    if op_timing.resource is None:
+        assert op_timing.fresh_mapping_s_per_byte() == 0.0
+        return
+    # a page zeroed and mapped costs between 0.1 and 50 us on any machine planner runs on
+    assert 1e-7 < fault_s < 5e-5 and 0 <= unmap_s < fault_s
+    assert op_timing.fresh_mapping_s_per_byte() * 4096 == pytest.approx(fault_s + unmap_s)
+
+
+def test_the_share_of_large_blocks_is_charged():
+    fresh = FreshMemory(min_bytes=32 * MiB, seconds_per_byte=1e-9)
+    sizes = [16 * MiB, 32 * MiB, 64 * MiB]
+    assert fresh.cost_s(sizes) == pytest.approx(FRESH_SHARE * 96 * MiB * 1e-9)
+    assert FreshMemory().cost_s(sizes) == 0.0
+
+
+def test_the_estimate_charges_every_large_block_the_step_allocates():
+    """With every op timed at 0, the predicted step is the fresh blocks' price alone: the
+    share of the bytes of the step's blocks of 1 MiB or more, as a real step allocates them
+    (activations, their gradients, the weights' gradients)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.Tanh())
+    x = torch.randn(384, 512)  # 1.5 MiB activations, 2 MiB weight gradients
+    fresh = FreshMemory(min_bytes=MiB, seconds_per_byte=1e-9)
+
+    def timer(calls, device):  # noqa: ANN001
+        return DeviceTiming({c.key_text: 0.0 for c in calls}, fresh_memory=fresh)
+
+    c = capture(model, (x,))
+    graph = estimate(
+        c.module,
+        c.args,
+        c.kwargs,
+        torch.sum,
+        time_ops=True,
+        timer=timer,
+        rates=profile_of_model(c.module),
+    )
+    counted = LargeBlocks(MiB)
+    with counted:
+        _step(model, (x,), torch.sum)
+    assert counted.total_bytes >= 4 * 1.5 * MiB + 2 * 2 * MiB  # there are blocks to price
+    assert graph.step_time_s == pytest.approx(FRESH_SHARE * counted.total_bytes * 1e-9)
+    assert "blocks of 1 MiB or more mapped afresh" in graph.meta["timing"]
