@@ -187,11 +187,13 @@ def with_measured_times(
         step_time = timing.step_time
     times, how = _measured_times(tracker, timing, rates, step_time)
     fresh = timing.fresh_memory
+    faults_s = 0.0
     if fresh.min_bytes is not None:
         how += (
             f"; blocks of {fresh.min_bytes / 2**20:g} MiB or more mapped afresh, "
             f"{fresh.seconds_per_byte * 2**30:.2f} s per GiB ({FRESH_SHARE:.0%} of them)"
         )
+        faults_s = sum(fresh.cost_s(r.allocated_bytes) for rs in tracker.calls.values() for r in rs)
     if timing.source:
         how += f"; calibration: {timing.source}"
     graph, folded = with_workspaces(graph, tracker, timing.workspace_bytes)
@@ -233,7 +235,18 @@ def with_measured_times(
         per_call_s = max(0.0, (step_time.selective_s - step_time.checkpointed_s) / max(calls, 1))
         graph = dataclasses.replace(graph, selective_call_overhead_s=per_call_s)
         how += f"; selective policy + {per_call_s * 1e6:.1f} us per call"
-    return dataclasses.replace(graph, meta={**graph.meta, "timing": how})
+    meta = {**graph.meta, "timing": how}
+    if faults_s and faults_s >= PAGE_FAULTS_NOTED * graph.step_time_s:
+        meta["page_faults"] = (
+            f"{faults_s:.3g} s of forward+backward is page faults: malloc maps blocks of "
+            f"{fresh.min_bytes / 2**20:g} MiB or more afresh (README: page faults; "
+            f"MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 avoids them)"
+        )
+    return dataclasses.replace(graph, meta=meta)
+
+
+# The share of a step's predicted time in page faults from which a plan's summary says so.
+PAGE_FAULTS_NOTED = 0.05
 
 
 def with_workspaces(

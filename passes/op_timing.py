@@ -439,14 +439,28 @@ class FreshMemory:
 
 
 def mapped_afresh_min_bytes(device: torch.device) -> int | None:
-    """The smallest block this process's allocator for ``device`` maps afresh (``FreshMemory``),
-    from its settings: glibc's on Linux, as its environment variables leave them (read once at
-    start-up: a process that calls ``mallopt`` itself is not seen); None for another device,
-    C library, or an allocator preloaded in its place (jemalloc, tcmalloc, mimalloc), which
-    keep freed memory for reuse."""
+    """The smallest block this process's allocator for ``device`` maps afresh (``FreshMemory``):
+    on Linux, glibc's, as its settings in the environment the process started with leave it
+    (:func:`glibc_mapped_afresh_min_bytes`; a process that calls ``mallopt`` itself is not
+    seen); None for another device or C library."""
     if device.type != "cpu" or platform.libc_ver()[0] != "glibc":
         return None
-    env = os.environ
+    return _at_start_up()
+
+
+@functools.cache
+def _at_start_up() -> int | None:
+    # glibc reads its settings once, as the process starts: a later change to os.environ
+    # changes nothing
+    return glibc_mapped_afresh_min_bytes(os.environ)
+
+
+def glibc_mapped_afresh_min_bytes(env: Mapping[str, str]) -> int | None:
+    """The smallest block glibc's malloc maps afresh under the settings in ``env``: 32 MiB by
+    default (GLIBC_MMAP_THRESHOLD_MAX_BYTES), ``MALLOC_MMAP_THRESHOLD_`` (or the tunable
+    ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``) where set; None where
+    ``MALLOC_MMAP_MAX_=0`` (or ``glibc.malloc.mmap_max=0``) turns mapping off, or another
+    allocator preloaded in its place (jemalloc, tcmalloc, mimalloc) keeps freed memory."""
     if any(name in env.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc")):
         return None
     tunables = dict(

@@ -252,6 +252,8 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             "also predicted: "
             + ", ".join(f"{quantity_label(n)} {format_quantity(n, v)}" for n, v in others)
         )
+    if graph.meta.get("page_faults"):  # passes/costing.py: a CPU step's fresh large blocks
+        lines.append(graph.meta["page_faults"])
     if graph.meta.get("precision"):  # the dtypes it was priced in: plan as you train
         lines.append(f"priced in {graph.meta['precision']}")
     lifetimes = graph.meta.get("python_lifetimes", "")

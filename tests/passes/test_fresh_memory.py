@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -13,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+import planner
 from benchmarks.page_faults import LargeBlocks
+from planner import calibration
 from planner.devices import profile_of_model
 from planner.measurement import _step
 from planner.passes import op_timing
@@ -28,25 +31,17 @@ CPU = torch.device("cpu")
 MiB = 1 << 20
 
 
-@glibc
-def test_glibc_settings_decide_which_blocks_are_mapped_afresh(monkeypatch):
-    for name in ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD"):
-        monkeypatch.delenv(name, raising=False)
-    assert op_timing.mapped_afresh_min_bytes(CPU) == 32 * MiB  # glibc's defaults
+def test_glibc_settings_decide_which_blocks_are_mapped_afresh():
+    settings = op_timing.glibc_mapped_afresh_min_bytes
+    assert settings({}) == 32 * MiB  # glibc's defaults
+    assert settings({"MALLOC_MMAP_THRESHOLD_": str(4 * MiB)}) == 4 * MiB
+    # the README's settings: nothing mapped
+    assert settings({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}) is None
+    assert settings({"GLIBC_TUNABLES": "glibc.malloc.check=0:glibc.malloc.mmap_max=0"}) is None
+    assert settings({"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MiB}"}) == MiB
+    assert settings({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}) is None
+    assert settings({"MALLOC_MMAP_THRESHOLD_": "lots"}) == 32 * MiB  # ignored, as glibc does
     assert op_timing.mapped_afresh_min_bytes(torch.device("cuda")) is None  # a caching allocator
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 * MiB))
-    assert op_timing.mapped_afresh_min_bytes(CPU) == 4 * MiB
-    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")  # the README's setting: nothing mapped
-    assert op_timing.mapped_afresh_min_bytes(CPU) is None
-    monkeypatch.delenv("MALLOC_MMAP_MAX_")
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.check=0:glibc.malloc.mmap_max=0")
-    assert op_timing.mapped_afresh_min_bytes(CPU) is None
-    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.mmap_threshold={MiB}")
-    assert op_timing.mapped_afresh_min_bytes(CPU) == MiB
-    monkeypatch.delenv("GLIBC_TUNABLES")
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    assert op_timing.mapped_afresh_min_bytes(CPU) is None
 
 
 # benchmarks.page_faults' pointwise model (blocks of 32 MiB only), stepped in a process: the
@@ -142,3 +137,21 @@ def test_the_estimate_charges_every_large_block_the_step_allocates():
     assert counted.total_bytes >= 4 * 1.5 * MiB + 2 * 2 * MiB  # there are blocks to price
     assert graph.step_time_s == pytest.approx(FRESH_SHARE * counted.total_bytes * 1e-9)
     assert "blocks of 1 MiB or more mapped afresh" in graph.meta["timing"]
+    assert graph.meta["page_faults"].startswith(f"{graph.step_time_s:.3g} s of forward+backward")
+
+
+def test_a_plan_says_when_page_faults_are_a_share_of_its_step(monkeypatch):
+    """The same plan priced with blocks of 1 MiB mapped afresh: a slower step, and a summary
+    line that says why and how to avoid it; with none mapped afresh, neither."""
+    monkeypatch.setenv("PLANNER_CACHE", "0")
+    monkeypatch.setattr(calibration, "SMALL_STEP_S", 0.0)  # priced from its calls, not fitted
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.Tanh())
+    x = torch.randn(384, 512)
+    monkeypatch.setattr(calibration, "mapped_afresh_min_bytes", lambda device: None)
+    reused = planner.plan(model, x, 1.0, loss_fn=torch.sum)
+    monkeypatch.setattr(calibration, "mapped_afresh_min_bytes", lambda device: MiB)
+    fresh = planner.plan(copy.deepcopy(model), x, 1.0, loss_fn=torch.sum)
+    assert fresh.graph.step_time_s > reused.graph.step_time_s
+    assert "page faults" in fresh.summary() and "MALLOC_MMAP_MAX_=0" in fresh.summary()
+    assert "page faults" not in reused.summary()
