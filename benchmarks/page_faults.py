@@ -17,6 +17,7 @@ import mmap
 import os
 import resource
 import statistics
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,10 +73,10 @@ MODELS = {
 }
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> None:
+def _step(model: nn.Module, example: Any) -> None:
     for p in model.parameters():
         p.grad = None
-    out = model(x)
+    out = model(*example) if isinstance(example, tuple) else model(example)
     (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
 
 

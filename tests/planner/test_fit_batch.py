@@ -46,8 +46,9 @@ def test_sweep_doubles_stops_at_first_misfit_and_every_peak_fits_measured():
         assert r.samples_per_s == pytest.approx(r.batch_size / p.predicted_step_time_s)
         measured = planner.measure(p.apply(gpt_small()), make_input(r.batch_size))
         assert measured.peak_bytes <= fit.cap_bytes, (r.batch_size, measured.peak_bytes)
-    winner = max((r for r in fit.rows if r.fits), key=lambda r: r.samples_per_s)
-    assert fit.best_batch_size == winner.batch_size and fit.plan is fit.plans[winner.batch_size]
+    most = max(r.samples_per_s for r in fit.rows if r.fits)
+    near = [r.batch_size for r in fit.rows if r.fits and r.samples_per_s >= 0.95 * most]
+    assert fit.best_batch_size == max(near) and fit.plan is fit.plans[max(near)]
 
 
 def test_cap_below_every_plan_at_batch_1_says_no_batch_size_fits():
