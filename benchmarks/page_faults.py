@@ -1,9 +1,10 @@
 """How much of a CPU step's large blocks fault in: the data behind ``op_timing.FRESH_SHARE``.
 
-    python -m benchmarks.page_faults [--models gpt-ref-32,gpt-512,mlp,pointwise] [--steps 4]
+    python -m benchmarks.page_faults [--models gpt-ref-32,gpt-ref-64,gpt-512,mlp,pointwise]
+                                     [--steps 4]
 
 glibc maps each block of 32 MiB or more afresh unless a free heap chunk fits it (README: page
-faults). Per model, eager training steps in this process after a warm-up: the bytes of the
+faults). Per model, in a process of its own, eager training steps after a warm-up: the bytes of the
 blocks of 32 MiB or more a step allocates (``LargeBlocks``), the bytes it faulted in (minor
 page faults x the page size), their share, and the system time per step. Run it with glibc's
 defaults; with ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736`` the shares fall to
@@ -13,10 +14,13 @@ about 0. Linux only (the fault count is getrusage's).
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import resource
 import statistics
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -99,15 +103,36 @@ def faulted_share(name: str, steps: int) -> tuple[int, list[float], list[float]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt-ref-32,gpt-512,mlp,pointwise")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a model, in this process: JSON
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.one:
+        large, faulted, system = faulted_share(args.one, args.steps)
+        print(json.dumps([large, faulted, system]))
+        return
     print("| model | blocks of 32 MiB+ per step | faulted per step | share | system s/step |")
     print("|---|---:|---:|---:|---:|")
     shares = []
     for name in args.models.split(","):
-        large, faulted, system = faulted_share(name, args.steps)
+        # each model in a process of its own: what a process allocated before decides which
+        # blocks a free heap chunk fits (after GPT-ref's batch 64, the others faulted nothing)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.page_faults",
+                "--one",
+                name,
+                "--steps",
+                str(args.steps),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        large, faulted, system = json.loads(run.stdout.splitlines()[-1])
         share = statistics.mean(faulted) / max(large, 1)
         shares.append(share)
         print(

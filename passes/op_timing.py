@@ -406,12 +406,12 @@ def fresh_mapping_s_per_byte() -> float:
 GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
 # The share of a step's blocks mapped afresh that it pays for (``FreshMemory``): between none
 # (each lands in a free heap chunk a tensor freed before left) and all; which follows the
-# heap's history and moves from step to step. Pages faulted per step over the bytes of these
-# blocks, six CPU training steps at large batches, averaged over 4-8 steps each: GPT-ref
-# planned at batch 64, 0.78; at 32, 0.38; eager at 32, 0.32; a 4-layer GPT of width 512,
-# 0.65; an MLP of 8192 x 2048 rows, 1.0; the pointwise model of tests/passes/
-# test_fresh_memory.py, 1.0. Their mean, 0.69.
-FRESH_SHARE = 0.7
+# heap's history and moves from step to step. The pages a step faulted over the bytes of its
+# blocks of 32 MiB or more, five models' eager steps, each in a process of its own (python -m
+# benchmarks.page_faults): GPT-ref at batch 32, 0.41; at 64, 0.31; a 4-layer GPT of width
+# 512, 0.51; an MLP of 8192 x 2048 rows, 1.04; pointwise ops on 32 MiB blocks, 1.00. Their
+# mean; GPT-ref's planned steps at batch 32 and 64 (fit_batch's benchmark) faulted 0.38, 0.78.
+FRESH_SHARE = 0.65
 
 
 @dataclass(frozen=True)
