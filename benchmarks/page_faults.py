@@ -17,7 +17,6 @@ import argparse
 import json
 import mmap
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -86,6 +85,8 @@ def _step(model: nn.Module, example: Any) -> None:
 
 def faulted_share(name: str, steps: int) -> tuple[int, list[float], list[float]]:
     """(large-block bytes per step, bytes faulted in each step, system seconds each step)."""
+    import resource  # Unix only: LargeBlocks imports anywhere
+
     model, x = MODELS[name]()
     _step(model, x)  # warm-up
     blocks = LargeBlocks()

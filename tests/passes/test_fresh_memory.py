@@ -27,7 +27,6 @@ from planner.passes.op_timing import FRESH_SHARE, DeviceTiming, FreshMemory
 glibc = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
 )
-CPU = torch.device("cpu")
 MiB = 1 << 20
 
 
