@@ -253,11 +253,11 @@ class Tracker(TorchDispatchMode):
             moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
             self.moved_bytes[where] += moved
         call = op_call(func, args, kwargs, flat) if self.record_calls else None
-        allocated = []
+        allocated = []  # the storages this call allocates, for a recorded call's price
         for t in outs:
-            known = self.lookup(t) is not None
+            new = self.record_calls and self.lookup(t) is None
             rec = self.track(t)
-            if not known and rec is not None:
+            if new and rec is not None:
                 allocated.append(rec.nbytes)
         if self.record_calls:
             self.calls[where].append(RecordedCall(call, flops, moved, tuple(allocated)))
