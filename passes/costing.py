@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner.passes.op_timing import FRESH_SHARE, DeviceTiming, Timer, measure_timing
+from planner.passes.op_timing import (
+    FRESH_SHARE,
+    DeviceTiming,
+    Timer,
+    host_floor_s,
+    measure_timing,
+)
 from planner.passes.step import StepTime
 from planner.passes.trace import OpRecord, RecordedCall, Segment, Storage, Tracker, is_tensor
 from planner.solvers.costgraph import BufferChange, CostGraph, GradBuffer, Node, Tensor
@@ -215,6 +221,8 @@ def with_measured_times(
         region_overhead_s=overhead.region_s,
         saving_node_overhead_s=overhead.per_saving_node_s,
         selective_call_overhead_s=overhead.per_selective_call_s,
+        offload_region_overhead_s=overhead.offload_region_s,
+        offloaded_node_overhead_s=overhead.per_offloaded_node_s,
     )
     if step_time is not None and step_time.checkpointed_s is not None:
         # The step checkpointed whole recomputes the forward (to its last save): what that
@@ -305,7 +313,8 @@ def _measured_times(
     own Python, autograd and dispatch, not a stand-in's. When the ops timed alone already take
     longer than the phase (they missed cache reuse the real step has), they are scaled down
     instead. Without it, the share of a stand-in chain (``op_timing.call_overhead_s``, in
-    ``timing``).
+    ``timing``). On an accelerator that share is the host's time per call, which overlaps the
+    kernels (``op_timing.host_overlaps``): a call costs at least it, not it more.
     """
     measured = timing.op_times_s
 
@@ -315,28 +324,37 @@ def _measured_times(
             seconds = max(r.flops / rates.flops_per_s, r.moved_bytes / rates.bytes_per_s)
         return seconds + timing.fresh_memory.cost_s(r.allocated_bytes)
 
-    alone_s: dict[tuple[str, int], float] = {
-        where: sum(map(alone, recorded)) for where, recorded in tracker.calls.items()
-    }
+    alone_s = {where: [alone(r) for r in recorded] for where, recorded in tracker.calls.items()}
+
+    def with_host(per_call_s: float, where: tuple[str, int]) -> float:
+        if timing.host_overlaps:
+            return sum(max(s, per_call_s) for s in alone_s[where])
+        return sum(alone_s[where]) + len(alone_s[where]) * per_call_s
+
+    per_call = "at least" if timing.host_overlaps else "+"
     if step_time is None:
         overhead_s = timing.call_overhead_s
-        how = f"ops timed alone + {overhead_s * 1e6:.1f} us per call (stand-in chain)"
-        return {w: t + len(tracker.calls[w]) * overhead_s for w, t in alone_s.items()}, how
+        how = f"ops timed alone {per_call} {overhead_s * 1e6:.1f} us per call (stand-in chain)"
+        return {w: with_host(overhead_s, w) for w in alone_s}, how
     times: dict[tuple[str, int], float] = {}
     how = []
     # the loss step is measured with the forward (measurement.time_step)
     phases = ((("fwd", "loss"), step_time.forward_s), (("bwd",), step_time.backward_s))
     for (phase, *also), phase_s in phases:
         wheres = [w for w in alone_s if w[0] in (phase, *also)]
-        total_alone_s = sum(alone_s[w] for w in wheres)
-        n_calls = sum(len(tracker.calls[w]) for w in wheres)
-        if phase_s >= total_alone_s:
-            per_call_s = (phase_s - total_alone_s) / max(n_calls, 1)
-            times.update({w: alone_s[w] + len(tracker.calls[w]) * per_call_s for w in wheres})
-            how.append(f"{phase} {phase_s * 1e3:.2f} ms: + {per_call_s * 1e6:.1f} us per call")
+        calls_s = [s for w in wheres for s in alone_s[w]]
+        if phase_s >= sum(calls_s):
+            if timing.host_overlaps:
+                per_call_s = host_floor_s(calls_s, phase_s)
+            else:
+                per_call_s = (phase_s - sum(calls_s)) / max(len(calls_s), 1)
+            times.update({w: with_host(per_call_s, w) for w in wheres})
+            how.append(
+                f"{phase} {phase_s * 1e3:.2f} ms: {per_call} {per_call_s * 1e6:.1f} us per call"
+            )
         else:
-            scale = phase_s / total_alone_s
-            times.update({w: alone_s[w] * scale for w in wheres})
+            scale = phase_s / sum(calls_s)
+            times.update({w: sum(alone_s[w]) * scale for w in wheres})
             how.append(f"{phase} {phase_s * 1e3:.2f} ms: ops x {scale:.2f}")
     return times, "ops timed alone, fitted to the measured step (" + "; ".join(how) + ")"
 

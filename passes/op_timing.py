@@ -17,10 +17,12 @@ result, and the estimator prices it by the roofline instead.
 A call timed alone misses what a training step spends around it: autograd recording the call,
 the backward engine scheduling it, Python. On the CPU that is tens of microseconds per call and
 dominates small models, so :func:`call_overhead_s` measures it once per device (a chain of tiny
-ops stepped for real, minus the same calls timed alone) and the estimator adds it per call. On
-CUDA the host runs ahead of the kernels, so it is not added there. Likewise each checkpoint
-region costs its own bookkeeping (saved-tensor hooks, RNG state, the recomputation's set-up):
-:func:`checkpoint_overhead_s` measures that once per device.
+ops stepped for real) and the estimator adds it per call. On CUDA the host's work overlaps the
+kernels (:func:`host_overlaps`): a call costs the longer of its kernel and the host's time per
+call, which bounds small models (an H200 ran a 2-layer GPT's step in 5.7 ms, its kernels alone
+in 4.9 ms, and checkpointed plans 1.7-3.5x slower than their kernels, 2026-11-27). Likewise
+each checkpoint region costs its own bookkeeping (saved-tensor hooks, RNG state, the
+recomputation's set-up): :func:`checkpoint_overhead` measures that once per device.
 
 A timed call leaves out the pages it faults in (a call on memory the allocator reuses), and
 :class:`FreshMemory` prices them apart: on a CPU, glibc maps each block of 32 MiB or more
@@ -55,6 +57,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from planner.passes.offload import offloaded_call
 
 try:
     import resource
@@ -519,15 +523,41 @@ def _clock_cost_s() -> float:
 _OVERHEAD_S: dict[str, float] = {}
 
 
-def _best_step_s(step: Callable[[], None], repeats: int) -> float:
-    now = clock(torch.device("cpu"))  # only ever on the CPU (0 overhead on CUDA)
-    step()  # warm-up
-    samples = []
-    for _ in range(repeats):
+def host_overlaps(device: torch.device) -> bool:
+    """Whether the host's work around a call overlaps the device's: on an accelerator the
+    kernels run while the host prepares the next call, so a call costs the longer of the two;
+    on the CPU the host is the device, and the two add up."""
+    return device.type != "cpu"
+
+
+def host_floor_s(alone_s: Sequence[float], total_s: float) -> float:
+    """The host's seconds per call ``h`` at which calls costing ``max(alone, h)`` each add up to
+    ``total_s`` (0 when their times alone already reach it): on an accelerator, the per-call
+    host time that a step's measured time implies (:func:`host_overlaps`)."""
+    ordered = sorted(alone_s)
+    above_s = sum(ordered)  # the calls at or above h keep their own times
+    if above_s >= total_s:
+        return 0.0
+    for below, a in enumerate(ordered, start=1):
+        above_s -= a
+        floor_s = (total_s - above_s) / below
+        if below == len(ordered) or floor_s <= ordered[below]:
+            return floor_s
+    raise AssertionError("unreachable: the last call bounds the search")
+
+
+def _best_step_s(step: Callable[[], None], repeats: int, device: torch.device) -> float:
+    now = clock(device)
+
+    def timed() -> float:
         t0 = now()
         step()
-        samples.append(now() - t0)
-    return min(samples)  # see MIN_STRETCH_S: the machine's speed, not its neighbours' load
+        if device.type == "cuda":  # the host's work and the kernels it queued
+            torch.cuda.synchronize(device)
+        return now() - t0
+
+    timed()  # warm-up
+    return min(timed() for _ in range(repeats))  # see MIN_STRETCH_S: the machine's own speed
 
 
 @dataclass(frozen=True)
@@ -538,12 +568,16 @@ class CheckpointOverhead:
     ``per_saving_node_s`` for each node in it that saves for backward (the saved-tensor hooks run
     for it in forward, again in the recomputation, and on unpacking in backward);
     ``per_selective_call_s`` for each aten call of a selective region (its policy's dispatch
-    mode sees every op, in forward and in the recomputation).
+    mode sees every op, in forward and in the recomputation). An offload region instead costs
+    ``offload_region_s`` once and ``per_offloaded_node_s`` for each node in it that saves (its
+    storages sent to the host and fetched back: hooks, pinned buffers, copies, events).
     """
 
     region_s: float = 0.0
     per_saving_node_s: float = 0.0
     per_selective_call_s: float = 0.0
+    offload_region_s: float = 0.0
+    per_offloaded_node_s: float = 0.0
 
 
 _CHECKPOINT_OVERHEAD: dict[str, CheckpointOverhead] = {}
@@ -555,10 +589,9 @@ def checkpoint_overhead(
     """The checkpoint overhead on ``device``, fitted on chains of tiny regions (1 and 8 layers of
     two saving ops each) stepped plain, checkpointed and selectively checkpointed: each step's
     excess over the plain step and one more forward (the recomputation). Measured once per
-    process and device; zero on CUDA, where the host runs ahead of the kernels.
+    process and device: on CUDA too, where the tiny kernels leave the host's bookkeeping as
+    what the steps take.
     """
-    if device.type != "cpu":
-        return CheckpointOverhead()
     key = str(device)
     if key not in _CHECKPOINT_OVERHEAD:
         _CHECKPOINT_OVERHEAD[key] = measure_checkpoint_overhead(device, regions, repeats)
@@ -569,8 +602,6 @@ def measure_checkpoint_overhead(
     device: torch.device, regions: int = 16, repeats: int = 9
 ) -> CheckpointOverhead:
     """:func:`checkpoint_overhead` measured now, not cached."""
-    if device.type != "cpu":
-        return CheckpointOverhead()
     from torch.utils.checkpoint import (
         CheckpointPolicy,
         checkpoint,
@@ -582,11 +613,14 @@ def measure_checkpoint_overhead(
 
     selective = functools.partial(create_selective_checkpoint_contexts, recompute_all)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 16, generator=generator)
+    x = torch.randn(4, 16, generator=generator).to(device)
 
     def excess_s(layers: int) -> tuple[float, float]:
         weights = [
-            [torch.randn(16, generator=generator, requires_grad=True) for _ in range(layers)]
+            [
+                torch.randn(16, generator=generator).to(device).requires_grad_()
+                for _ in range(layers)
+            ]
             for _ in range(regions)
         ]
 
@@ -602,6 +636,8 @@ def measure_checkpoint_overhead(
                     y = block(y, *ws)
                 elif how == "checkpoint":
                     y = checkpoint(block, y, *ws, use_reentrant=False)
+                elif how == "offload":
+                    y = offloaded_call(block, _NO_MODULE, y, *ws)
                 else:
                     y = checkpoint(block, y, *ws, use_reentrant=False, context_fn=selective)
             y.sum().backward()
@@ -614,21 +650,33 @@ def measure_checkpoint_overhead(
             for ws in weights:
                 y = block(y, *ws)
 
-        plain_s = _best_step_s(lambda: step("plain"), repeats)
-        recompute_s = _best_step_s(forward, repeats)
-        checkpoint_s = _best_step_s(lambda: step("checkpoint"), repeats) - plain_s - recompute_s
-        selective_s = _best_step_s(lambda: step("selective"), repeats) - plain_s - recompute_s
-        return checkpoint_s / regions, selective_s / regions
+        def best_s(run: Callable[[], None]) -> float:
+            return _best_step_s(run, repeats, device)
 
-    few_s, few_selective_s = excess_s(1)
-    many_s, many_selective_s = excess_s(8)
+        plain_s = best_s(lambda: step("plain"))
+        recompute_s = best_s(forward)
+        checkpoint_s = best_s(lambda: step("checkpoint")) - plain_s - recompute_s
+        selective_s = best_s(lambda: step("selective")) - plain_s - recompute_s
+        # offload recomputes nothing; only where it sends anything (offload.py: CUDA)
+        offload_s = best_s(lambda: step("offload")) - plain_s if device.type == "cuda" else 0.0
+        return checkpoint_s / regions, selective_s / regions, offload_s / regions
+
+    few_s, few_selective_s, few_offload_s = excess_s(1)
+    many_s, many_selective_s, many_offload_s = excess_s(8)
     per_saving_node_s = max(0.0, (many_s - few_s) / (2 * 8 - 2))
     per_selective_call_s = max(0.0, (many_selective_s - many_s) / (2 * 8))
+    per_offloaded_node_s = max(0.0, (many_offload_s - few_offload_s) / (2 * 8 - 2))
     return CheckpointOverhead(
         region_s=max(0.0, few_s - 2 * per_saving_node_s),
         per_saving_node_s=per_saving_node_s,
         per_selective_call_s=per_selective_call_s,
+        offload_region_s=max(0.0, few_offload_s - 2 * per_offloaded_node_s),
+        per_offloaded_node_s=per_offloaded_node_s,
     )
+
+
+# offloaded_call's module: the tiny chains' weights are its arguments, kept on the device
+_NO_MODULE = torch.nn.Module()
 
 
 class _Recorder(TorchDispatchMode):
@@ -643,12 +691,9 @@ class _Recorder(TorchDispatchMode):
 
 
 def call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -> float:
-    """Seconds a training step spends per aten call beyond the call itself (module docstring).
-
-    Measured once per process and device; 0 on CUDA, where the host runs ahead of the kernels.
-    """
-    if device.type != "cpu":
-        return 0.0
+    """Seconds a training step spends per aten call beyond the call itself (module docstring):
+    on the CPU added to each call's time, on an accelerator the host's time per call, which
+    each call takes at least (:func:`host_overlaps`). Measured once per process and device."""
     key = str(device)
     if key not in _OVERHEAD_S:
         _OVERHEAD_S[key] = measure_call_overhead_s(device, blocks, repeats)
@@ -657,8 +702,6 @@ def call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -
 
 def measure_call_overhead_s(device: torch.device, blocks: int = 16, repeats: int = 15) -> float:
     """:func:`call_overhead_s` measured now, not cached."""
-    if device.type != "cpu":
-        return 0.0
     torch.manual_seed(0)
     # Modules as models use them (a linear, a norm, an activation, dropout): their Python and
     # autograd costs are what a step pays per call; width 16 keeps the kernels themselves tiny.
@@ -675,7 +718,7 @@ def measure_call_overhead_s(device: torch.device, blocks: int = 16, repeats: int
         for p in chain.parameters():
             p.grad = None
 
-    step_s = _best_step_s(step, repeats)
+    step_s = _best_step_s(step, repeats, device)
     with _Recorder() as recorder:
         step()
     alone: dict[tuple, float | None] = {}
@@ -683,8 +726,10 @@ def measure_call_overhead_s(device: torch.device, blocks: int = 16, repeats: int
         if c is not None and c.key not in alone:
             # back to back, as the chain's tiny tensors stay in the caches through its step
             alone[c.key] = _time_call(c, device, 5, hot=True)
-    alone_s = sum(alone.get(c.key) or 0.0 for c in recorder.calls if c is not None)
-    return max(0.0, (step_s - alone_s) / len(recorder.calls))
+    alone_s = [alone.get(c.key) or 0.0 if c is not None else 0.0 for c in recorder.calls]
+    if host_overlaps(device):
+        return host_floor_s(alone_s, step_s)
+    return max(0.0, (step_s - sum(alone_s)) / len(recorder.calls))
 
 
 @dataclass(frozen=True)
@@ -712,6 +757,9 @@ class DeviceTiming:
     workspace_bytes: Mapping[str, int] = field(default_factory=dict)
     # What the blocks a call allocates cost when the allocator maps them afresh
     fresh_memory: FreshMemory = FreshMemory()
+    # The host's per-call work overlaps the kernels (:func:`host_overlaps`): each call costs at
+    # least ``call_overhead_s`` rather than that much more
+    host_overlaps: bool = False
 
 
 # What ``estimate(..., time_ops=True)`` calls with the step's recorded calls and the device:
@@ -730,4 +778,5 @@ def measure_timing(calls: Sequence[OpCall], device: torch.device) -> DeviceTimin
         source="timed in this process",
         workspace_bytes={text: n for text, n in workspaces.items() if n},
         fresh_memory=fresh_memory(device),
+        host_overlaps=host_overlaps(device),
     )

@@ -32,10 +32,11 @@ import platform
 import re
 import statistics
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -49,6 +50,7 @@ from planner.passes.op_timing import (
     FreshMemory,
     OpCall,
     TensorSpec,
+    clock,
     fresh_mapping_s_per_byte,
     mapped_afresh_min_bytes,
     measure_call_overhead_s,
@@ -75,7 +77,8 @@ FORMAT = "planner-calibration"
 # file's figures, timed on hot data, are measured anew.
 # 4: what a block mapped afresh costs (``fresh_mapping_s_per_byte``), and page faults taken
 # off timed calls at the cost of a private mapping's (version 3 priced a shared one's).
-VERSION = 4
+# 5: on CUDA, the host's time per call and the checkpoint bookkeeping (version 4 held 0 there).
+VERSION = 5
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
 # per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
@@ -142,6 +145,7 @@ class Calibration:
             step_time,
             self.workspace_bytes,
             FreshMemory(min_bytes, self.fresh_mapping_s_per_byte),
+            host_overlaps=not self.device.startswith("cpu:"),
         )
 
     def with_times(
@@ -164,11 +168,7 @@ class Calibration:
             "torch_version": self.torch_version,
             "dtype": self.dtype,
             "call_overhead_s": self.call_overhead_s,
-            "checkpoint": {
-                "region_s": self.checkpoint.region_s,
-                "per_saving_node_s": self.checkpoint.per_saving_node_s,
-                "per_selective_call_s": self.checkpoint.per_selective_call_s,
-            },
+            "checkpoint": asdict(self.checkpoint),
             "op_times_s": dict(sorted(self.op_times_s.items())),
             "step_times_s": {k: list(v) for k, v in sorted(self.step_times_s.items())},
             "workspace_bytes": dict(sorted(self.workspace_bytes.items())),
@@ -189,9 +189,7 @@ class Calibration:
                 dtype=str(body["dtype"]),
                 call_overhead_s=float(body["call_overhead_s"]),
                 checkpoint=CheckpointOverhead(
-                    float(ck["region_s"]),
-                    float(ck["per_saving_node_s"]),
-                    float(ck["per_selective_call_s"]),
+                    **{f.name: float(ck[f.name]) for f in fields(CheckpointOverhead)}
                 ),
                 op_times_s={
                     str(k): None if v is None else float(v) for k, v in body["op_times_s"].items()
@@ -662,13 +660,13 @@ class CalibrationTimer:
         signature: str,
     ) -> tuple[float, float, float | None, float | None] | None:
         """The step timed whole, if it is small, has not been yet, and can be."""
-        if self.step is None or device.type != "cpu" or signature in calibration.step_times_s:
+        if self.step is None or signature in calibration.step_times_s:
             return None
         alone_s = sum(calibration.op_times_s.get(c.key_text) or 0.0 for c in calls)
         if alone_s >= SMALL_STEP_S:
             return None
         # the clock the op times were taken by (passes/op_timing.clock)
-        timed = self.step("cpu" if torch.get_num_threads() == 1 else "wall")
+        timed = self.step("cpu" if clock(device) is time.process_time else "wall")
         if timed is None:
             return None
         MEASUREMENTS["steps"] += 1

@@ -168,10 +168,14 @@ class CostGraph:
     # What a checkpoint region adds to a step's time beyond recomputing its nodes
     # (region_overhead_time_s; measured on the device by passes/op_timing.py, 0 for roofline
     # prices): once per region, per node in it that saves for backward, per aten call
-    # (Node.fwd_calls) of a selective region (its policy's dispatch mode sees each one).
+    # (Node.fwd_calls) of a selective region (its policy's dispatch mode sees each one). An
+    # offload region's own: once per region, per node in it that saves (its storages sent and
+    # fetched back).
     region_overhead_s: float = 0.0
     saving_node_overhead_s: float = 0.0
     selective_call_overhead_s: float = 0.0
+    offload_region_overhead_s: float = 0.0
+    offloaded_node_overhead_s: float = 0.0
     # A node's recomputation over its forward time (node_recompute_time_s): fitted on the device
     # to a step checkpointed whole (passes/estimate.py); 1 for roofline prices.
     recompute_scale: float = 1.0
@@ -210,11 +214,15 @@ class CostGraph:
         return self.checkpoint_overhead_s(region.start, region.stop, region.kind)
 
     def checkpoint_overhead_s(self, start: int, stop: int, kind: str = "recompute") -> float:
-        """What a region of ``kind`` over nodes [start, stop) adds beyond its recomputation."""
+        """What a region of ``kind`` over nodes [start, stop) adds beyond its recomputation (an
+        offload region: beyond its exposed copies)."""
         saving, calls = self._overhead_prefix
-        overhead_s = self.region_overhead_s + (saving[stop] - saving[start])
+        saves = saving[stop] - saving[start]
+        if kind == "offload":
+            return self.offload_region_overhead_s + saves * self.offloaded_node_overhead_s
+        overhead_s = self.region_overhead_s + saves * self.saving_node_overhead_s
         if kind == "selective":
-            overhead_s += calls[stop] - calls[start]
+            overhead_s += (calls[stop] - calls[start]) * self.selective_call_overhead_s
         return overhead_s
 
     def preserves_rng_state(self, start: int, stop: int) -> bool:
@@ -242,11 +250,12 @@ class CostGraph:
         return tuple(prefix)
 
     @cached_property
-    def _overhead_prefix(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        saving, calls = [0.0], [0.0]
+    def _overhead_prefix(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Prefix counts of the nodes that save for backward and of their forward calls."""
+        saving, calls = [0], [0]
         for n in self.nodes:
-            saving.append(saving[-1] + n.saves_for_backward * self.saving_node_overhead_s)
-            calls.append(calls[-1] + n.fwd_calls * self.selective_call_overhead_s)
+            saving.append(saving[-1] + n.saves_for_backward)
+            calls.append(calls[-1] + n.fwd_calls)
         return tuple(saving), tuple(calls)
 
     @cached_property
@@ -349,4 +358,6 @@ def weighted_graph(graph: CostGraph, flops_weight: float, time_weight: float = 1
         region_overhead_s=time_weight * graph.region_overhead_s,
         saving_node_overhead_s=time_weight * graph.saving_node_overhead_s,
         selective_call_overhead_s=time_weight * graph.selective_call_overhead_s,
+        offload_region_overhead_s=time_weight * graph.offload_region_overhead_s,
+        offloaded_node_overhead_s=time_weight * graph.offloaded_node_overhead_s,
     )

@@ -1289,6 +1289,8 @@ def memory_graph(graph: CostGraph) -> CostGraph:
         region_overhead_s=0.0,
         saving_node_overhead_s=0.0,
         selective_call_overhead_s=0.0,
+        offload_region_overhead_s=0.0,
+        offloaded_node_overhead_s=0.0,
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from benchmarks.models import gpt_ref_small_example
 from planner.devices import profile_of_model
@@ -11,8 +13,10 @@ from planner.passes import op_timing
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.passes.op_timing import (
+    DeviceTiming,
     call_overhead_s,
     checkpoint_overhead,
+    host_floor_s,
     op_call,
     time_call,
     time_calls,
@@ -214,3 +218,50 @@ def test_on_the_device_each_region_adds_its_measured_overhead_to_the_step(monkey
     assert p.predicted_step_time_s == pytest.approx(
         graph.step_time_s + p.predicted_recompute_time_s + sum(per_region)
     )
+
+
+@given(
+    st.lists(st.floats(1e-7, 1e-2), min_size=1, max_size=40),
+    st.floats(0.0, 2.0),
+)
+def test_the_host_floor_makes_the_calls_add_up_to_the_step(alone_s, stretch):
+    total_s = sum(alone_s) * (1 + stretch)
+    floor_s = host_floor_s(alone_s, total_s)
+    assert sum(max(a, floor_s) for a in alone_s) == pytest.approx(total_s, rel=1e-9)
+    assert host_floor_s(alone_s, 0.5 * sum(alone_s)) == 0.0  # already slower: no floor
+
+
+def test_on_an_accelerator_each_call_takes_at_least_the_hosts_time():
+    """Where the host's work overlaps the kernels (CUDA), a node costs the sum over its calls of
+    the longer of the call's own time and the host's time per call; on the CPU the two add.
+    Calls timed at 1, 2, 3... us and a host at 5 us per call tell them apart."""
+    model, example = gpt_ref_small_example()
+    c = capture(model, example)
+    host_s = 5e-6
+
+    seen = []
+
+    def priced(overlaps: bool, step_time: StepTime | None = None):
+        def timer(calls, device):  # noqa: ANN001
+            seen[:] = calls
+            texts = sorted({x.key_text for x in calls})
+            times = {t: (k % 9 + 1) * 1e-6 for k, t in enumerate(texts)}
+            return DeviceTiming(times, call_overhead_s=host_s, host_overlaps=overlaps)
+
+        rates = profile_of_model(c.module)
+        graph = estimate(
+            c.module, c.args, c.kwargs, rates=rates, time_ops=True, timer=timer, step_time=step_time
+        )
+        return graph, sum(n.fwd_time_s + n.bwd_time_s for n in graph.nodes)
+
+    overlapped, overlapped_s = priced(True)
+    calls = len(seen)
+    _, added_s = priced(False)
+    # every call costs between the host's 5 us and its own 9 us at most, against 6-14 us added
+    assert calls * host_s <= overlapped_s <= calls * 9e-6
+    assert added_s >= calls * (host_s + 1e-6) and added_s > overlapped_s
+    assert "at least 5.0 us per call" in overlapped.meta["timing"]
+    # Fitted to a measured step: the floor that makes each phase add up to it.
+    fitted, fitted_s = priced(True, StepTime(0.25, 0.5))
+    assert fitted_s == pytest.approx(0.75)
+    assert "at least" in fitted.meta["timing"]
