@@ -536,7 +536,7 @@ def host_floor_s(alone_s: Sequence[float], total_s: float) -> float:
     host time that a step's measured time implies (:func:`host_overlaps`)."""
     ordered = sorted(alone_s)
     above_s = sum(ordered)  # the calls at or above h keep their own times
-    if above_s >= total_s:
+    if not ordered or above_s >= total_s:
         return 0.0
     for below, a in enumerate(ordered, start=1):
         above_s -= a

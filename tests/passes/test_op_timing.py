@@ -229,6 +229,7 @@ def test_the_host_floor_makes_the_calls_add_up_to_the_step(alone_s, stretch):
     floor_s = host_floor_s(alone_s, total_s)
     assert sum(max(a, floor_s) for a in alone_s) == pytest.approx(total_s, rel=1e-9)
     assert host_floor_s(alone_s, 0.5 * sum(alone_s)) == 0.0  # already slower: no floor
+    assert host_floor_s([], total_s) == 0.0  # no calls to spread the time over
 
 
 def test_on_an_accelerator_each_call_takes_at_least_the_hosts_time():
