@@ -49,6 +49,13 @@ def test_overhead_adds_per_region_per_saving_node_and_per_selective_call():
     # a selective policy sees each aten call: node 2 dispatches three, node 3 none
     assert graph.checkpoint_overhead_s(0, 3, "selective") == 1.0 + 2 * 0.25 + 5 * 0.125
     assert graph.checkpoint_overhead_s(3, 4, "selective") == 1.0 + 0.25
+    # an offload region pays its own, per region and per saving node, none of checkpoint's
+    assert graph.checkpoint_overhead_s(0, 3, "offload") == 0.0
+    offloading = dataclasses.replace(
+        graph, offload_region_overhead_s=2.0, offloaded_node_overhead_s=0.5
+    )
+    assert offloading.checkpoint_overhead_s(0, 3, "offload") == 2.0 + 2 * 0.5
+    assert offloading.checkpoint_overhead_s(0, 3) == 1.0 + 2 * 0.25
     regions = (Region(0, 2), Region(2, 4))
     sim = simulate(graph, Schedule(regions))
     assert sim.step_time_s == pytest.approx(
