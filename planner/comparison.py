@@ -34,6 +34,7 @@ from planner.report import (
     format_bytes,
     format_ms,
     format_quantity,
+    natural_width,
     plain_text,
     quantity_label,
 )
@@ -48,10 +49,13 @@ from planner.solvers.registry import (
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from rich.console import Console, ConsoleOptions, RenderResult
     from rich.table import Table
 # Cheap, well-known policies first, then the optimising solvers; unknown ones follow by name.
 PREFERRED_ORDER = ("none", "uniform", "sqrt", "revolve", "selective", "greedy", "dp", "ilp")
 DEFAULT_BUDGET_FRACTIONS = (0.8, 0.6, 0.4, 0.2)  # of the predicted eager peak
+# What a console too narrow for the whole table shows (Comparison.__rich_console__)
+NARROW_COLUMNS = ("solver", "budget", "feasible", "predicted peak", "predicted step")
 
 
 @dataclass(frozen=True)
@@ -186,10 +190,30 @@ class Comparison:
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
         return "\n".join(lines) + "\n"
 
-    def __rich__(self) -> Table:
+    def table(self) -> Table:
+        """The whole table, every column, as a ``rich.table.Table``."""
+        return self._table(*self._cells())
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """The whole table where it fits the console; else its NARROW_COLUMNS alone and a line
+        that says where the rest is (an 80-column terminal crops the whole table's 10 to 15
+        columns past reading)."""
+        rows, header, body = self._cells()
+        table = self._table(rows, header, body)
+        if natural_width(table) <= options.max_width:
+            yield table
+            return
+        keep = [i for i, column in enumerate(header) if column in NARROW_COLUMNS]
+        narrow = [[cells[i] for i in keep] for cells in body]
+        yield self._table(rows, [header[i] for i in keep], narrow)
+        yield (
+            f"{len(header) - len(keep)} more columns in a wider console, print(comparison) "
+            "or comparison.to_markdown()"
+        )
+
+    def _table(self, rows: list[Row], header: list[str], body: list[list[str]]) -> Table:
         from rich.table import Table
 
-        rows, header, body = self._cells()
         title = f"planner.compare ({'in place' if self.form == 'inplace' else 'graph form'})"
         table = Table(title=title, caption=self._caption(), title_justify="left")
         for column in header:
@@ -206,7 +230,7 @@ class Comparison:
         (console or Console()).print(self)
 
     def __str__(self) -> str:
-        return plain_text(self, width=200)
+        return plain_text(self.table(), width=200)
 
     def plot(self, *, ax: Any = None) -> Figure:
         """Peak memory vs predicted recompute time: each solver's front, eager, the budgets."""

@@ -16,10 +16,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from matplotlib.figure import Figure
+from rich.console import Console
 
 import planner
 from benchmarks.models import gpt_ref_small_example
-from planner.comparison import Comparison, Row
+from planner.comparison import NARROW_COLUMNS, Comparison, Row
 from planner.plots import (
     MIB,
     node_bytes,
@@ -216,7 +217,7 @@ def test_markdown_shows_offloaded_bytes_when_a_plan_offloads():
 
 def test_rich_table_and_pandas_carry_every_row():
     c = hand_comparison(measured=True)
-    table = c.__rich__()
+    table = c.table()
     assert table.row_count == len(c.rows)
     assert "least 150.0 MiB" in str(c)
     df = c.to_pandas()
@@ -614,3 +615,26 @@ def test_every_entry_point_hands_each_option_to_the_pricing(entry, field, monkey
     if field == "device":  # checked: the name resolved to its profile
         expected = dataclasses.replace(expected, device=device_profile(value))
     assert info.value.options == expected
+
+
+def test_a_narrow_console_gets_the_main_columns_and_where_the_rest_are():
+    """An 80-column terminal cropped every one of the whole table's 11 columns past reading
+    ("pre…", "sol…"); a narrow console gets five, whole, and a line naming the rest's homes."""
+    c = hand_comparison(measured=True)
+
+    def printed(width: int) -> str:
+        console = Console(file=io.StringIO(), width=width, color_system=None)
+        console.print(c)
+        return console.file.getvalue()
+
+    narrow = printed(80)
+    assert max(map(len, narrow.splitlines())) <= 80
+    assert "…" not in narrow
+    for column in NARROW_COLUMNS:
+        assert column.split()[-1] in narrow  # headers may wrap onto two lines
+    assert "least 150.0 MiB" in narrow and "275.0 MiB" in narrow
+    assert "recompute FLOPs" not in narrow
+    assert "6 more columns" in narrow and "to_markdown()" in narrow
+    wide = printed(250)
+    assert "recompute FLOPs" in wide and "more columns" not in wide
+    assert "recompute FLOPs" in str(c)  # print(comparison): every column
