@@ -343,17 +343,18 @@ def _measured_times(
     for (phase, *also), phase_s in phases:
         wheres = [w for w in alone_s if w[0] in (phase, *also)]
         calls_s = [s for w in wheres for s in alone_s[w]]
-        if phase_s >= sum(calls_s):
+        total_alone_s = sum(calls_s)
+        if phase_s >= total_alone_s:
             if timing.host_overlaps:
                 per_call_s = host_floor_s(calls_s, phase_s)
             else:
-                per_call_s = (phase_s - sum(calls_s)) / max(len(calls_s), 1)
+                per_call_s = (phase_s - total_alone_s) / max(len(calls_s), 1)
             times.update({w: with_host(per_call_s, w) for w in wheres})
             how.append(
                 f"{phase} {phase_s * 1e3:.2f} ms: {per_call} {per_call_s * 1e6:.1f} us per call"
             )
         else:
-            scale = phase_s / sum(calls_s)
+            scale = phase_s / total_alone_s
             times.update({w: sum(alone_s[w]) * scale for w in wheres})
             how.append(f"{phase} {phase_s * 1e3:.2f} ms: ops x {scale:.2f}")
     return times, "ops timed alone, fitted to the measured step (" + "; ".join(how) + ")"

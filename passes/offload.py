@@ -96,7 +96,7 @@ class _Call:
 
     @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
-        if not (_host_apart(t.device) and _plain(t)):
+        if not (host_apart(t.device) and _plain(t)):
             return t  # the host is the device (CPU)
         storage = t.untyped_storage()
         if storage.data_ptr() in self.keep:
@@ -132,7 +132,7 @@ class _Call:
         return packed.tensor()
 
 
-def _host_apart(device: torch.device) -> bool:
+def host_apart(device: torch.device) -> bool:
     """Whether the host's memory is another than ``device``'s: only then does sending free
     anything."""
     return device.type == "cuda"

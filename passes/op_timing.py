@@ -58,7 +58,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from planner.passes.offload import offloaded_call
+from planner.passes.offload import host_apart, offloaded_call
 
 try:
     import resource
@@ -657,8 +657,8 @@ def measure_checkpoint_overhead(
         recompute_s = best_s(forward)
         checkpoint_s = best_s(lambda: step("checkpoint")) - plain_s - recompute_s
         selective_s = best_s(lambda: step("selective")) - plain_s - recompute_s
-        # offload recomputes nothing; only where it sends anything (offload.py: CUDA)
-        offload_s = best_s(lambda: step("offload")) - plain_s if device.type == "cuda" else 0.0
+        # offload recomputes nothing, and sends nothing where the host's memory is the device's
+        offload_s = best_s(lambda: step("offload")) - plain_s if host_apart(device) else 0.0
         return checkpoint_s / regions, selective_s / regions, offload_s / regions
 
     few_s, few_selective_s, few_offload_s = excess_s(1)

@@ -1,5 +1,5 @@
 """passes/offload.py on the CPU, with the host taken for another memory than the device's
-(``_host_apart``), so that what a region makes and saves goes through the copies to host and
+(``host_apart``), so that what a region makes and saves goes through the copies to host and
 back that CUDA makes (without its streams):
 
 - each saved tensor comes back as the same view (size, strides, storage offset, dtype) with
@@ -24,7 +24,7 @@ from planner.passes import offload
 
 @pytest.fixture
 def sending(monkeypatch):
-    monkeypatch.setattr(offload, "_host_apart", lambda device: True)
+    monkeypatch.setattr(offload, "host_apart", lambda device: True)
 
 
 @pytest.fixture

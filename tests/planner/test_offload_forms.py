@@ -1,5 +1,5 @@
 """Offload regions carried out (passes/offload.py, simulate's Rule 7), in both forms, on the
-CPU with the host taken for another memory than the device's (``_host_apart``), so that what a
+CPU with the host taken for another memory than the device's (``host_apart``), so that what a
 region sends goes through the copy to host and back that CUDA makes (without its streams).
 
 - Both forms send exactly the storages the memory model prices: each storage made inside the
@@ -40,7 +40,7 @@ BLOCK = "blocks.1"
 
 @pytest.fixture
 def sending(monkeypatch):
-    monkeypatch.setattr(offload, "_host_apart", lambda device: True)
+    monkeypatch.setattr(offload, "host_apart", lambda device: True)
 
 
 def _in_block(path: str) -> bool:
