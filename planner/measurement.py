@@ -178,7 +178,10 @@ def measured_step_time(
 
     A warm-up of each, then rounds of one step of each in turn (enough to fill a tenth of a
     second, 3 to 9) and the median of each: the prices rest on the differences between the
-    three, and interleaving makes a load that drifts over the rounds hit them alike. Single
+    three, and interleaving makes a load that drifts over the rounds hit them alike. Each timed
+    step follows an untimed one of its kind, as in a training loop: a small step timed just
+    after another kind's ran 5-7% slower than the same step repeated (tiny Llama, GPT-ref-small;
+    from the second step on, it is steady), and the plain step prices every plan. Single
     steps still vary by a few percent on a shared CPU (GPT-ref: 2.27 to 3.05 s for the same
     plain step), so what is fitted from small differences, the selective policy's cost per
     call above all, is approximate. None when the unplanned step does not fit in the device's
@@ -206,6 +209,8 @@ def measured_step_time(
         timed: dict[str, list[StepTime]] = {kind: [] for kind in steps}
         for _ in range(rounds):
             for kind, module in steps.items():
+                _clear_grads(module)
+                _step(module, example_input, loss_fn)
                 timed[kind].append(_timed_steps(module, example_input, loss_fn, device, 1, now))
     plain = StepTime(
         statistics.median(t.forward_s for t in timed["plain"]),
