@@ -17,10 +17,11 @@ Run: ``python -m benchmarks.plan_speed`` (``--seq-len 64`` for another length).
 fresh cache directory (``PLANNER_CACHE_DIR``, a temporary one unless ``--cache-dir``):
 
 - GPT-ref in place (``benchmarks.models.gpt_ref_example``, 12 blocks, width 256, 8 x 256 tokens):
-  a cold ``plan()`` at 0.4 GB (targets: <= 15 s), a second plan in the same process at another
-  budget (0.3 GB, <= 3 s), the first budget again, and a plan in a new process that reads the
-  on-disk calibration (<= 5 s); whether the three calls at 0.4 GB and the two processes give
-  the identical plan;
+  a cold ``plan()`` at 0.4 GB (targets: <= 15 s), a second plan of the same model in the same
+  process at another budget (0.3 GB, <= 3 s: the pricing is reused), the first budget again,
+  a new instance of the model at both budgets (traced anew, the calibration held), and a plan
+  in a new process that reads the on-disk calibration (<= 5 s); whether three calls at 0.4 GB
+  (the same model twice, a new instance once) and the two processes give the identical plan;
 - ``fit_batch`` on GPT-ref (the sweep of BENCHMARKS.md: cap = eager's measured peak at batch 8),
   twice, each in a new process sharing the calibration (<= 120 s, the same pick);
 - Mamba from the tiny config with ``max_recompute_flops_fraction`` (<= 60 s in all).
@@ -136,12 +137,13 @@ def _in_new_process(what: str, *args: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def gpt_ref_plan(budget_gb: float) -> dict:
-    """One in-place plan of GPT-ref: seconds, regions, fingerprint."""
+def gpt_ref_plan(budget_gb: float, model_and_input: tuple | None = None) -> dict:
+    """One in-place plan of GPT-ref (``model_and_input``, or a new instance): seconds,
+    regions, fingerprint."""
     import planner
     from benchmarks.models import gpt_ref_example
 
-    model, x = gpt_ref_example()
+    model, x = model_and_input or gpt_ref_example()
     start = time.perf_counter()
     cpu0 = time.process_time()
     p = planner.plan(model, x, budget_gb, form="inplace")
@@ -214,13 +216,15 @@ class _Lines(list):
 def calibration_report(what: list[str]) -> str:
     lines = _Lines()
     if "gpt-ref" in what:
-        import planner
+        from benchmarks.models import gpt_ref_example
 
-        first = gpt_ref_plan(0.4)
-        # the same process: another budget, then the first again
-        other = gpt_ref_plan(0.3)
-        again = gpt_ref_plan(0.4)
-        planner.calibration._PRICED.clear()  # priced again from the trace, calibration held
+        model = gpt_ref_example()
+        first = gpt_ref_plan(0.4, model)
+        # the same process: the same model at another budget (a user re-planning), then the
+        # first budget again; then a new instance, traced anew with the calibration held
+        other = gpt_ref_plan(0.3, model)
+        again = gpt_ref_plan(0.4, model)
+        other_instance = gpt_ref_plan(0.3)
         third = gpt_ref_plan(0.4)
         new = _in_new_process("gpt-ref-plan", "0.4")
         same_calls = len({first["fingerprint"], again["fingerprint"], third["fingerprint"]}) == 1
@@ -228,10 +232,10 @@ def calibration_report(what: list[str]) -> str:
             f"GPT-ref in place, cold plan(0.4 GB): {first['wall_s']:.1f} s wall "
             f"({first['cpu_s']:.1f} s CPU, {first['load']}){_target(first, 15)}, "
             f"{first['regions']} regions, predicted step {first['step_s']:.3f} s",
-            f"second plan, same process (0.3 GB): {other['wall_s']:.2f} s wall "
+            f"second plan, same process, same model (0.3 GB): {other['wall_s']:.2f} s wall "
             f"({other['cpu_s']:.2f} s CPU, {other['load']}){_target(other, 3)}; 0.4 GB again: "
-            f"{again['wall_s']:.2f} s; re-traced with the held calibration: "
-            f"{third['wall_s']:.2f} s",
+            f"{again['wall_s']:.2f} s; a new instance, traced anew with the held calibration: "
+            f"{other_instance['wall_s']:.2f} s (0.3 GB), {third['wall_s']:.2f} s (0.4 GB)",
             f"new process, on-disk calibration (0.4 GB): {new['wall_s']:.2f} s wall "
             f"({new['cpu_s']:.2f} s CPU, {new['load']}){_target(new, 5)}",
             f"three calls identical: {same_calls}; two processes identical: "

@@ -78,7 +78,10 @@ FORMAT = "planner-calibration"
 # 4: what a block mapped afresh costs (``fresh_mapping_s_per_byte``), and page faults taken
 # off timed calls at the cost of a private mapping's (version 3 priced a shared one's).
 # 5: on CUDA, the host's time per call and the checkpoint bookkeeping (version 4 held 0 there).
-VERSION = 5
+# 6: the checkpoint bookkeeping measured with a layer of work between regions, as in a model,
+# and small steps each timed after one of their own kind (version 5's were under half and 5-7%
+# over, on a CPU).
+VERSION = 6
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
 # per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
