@@ -218,12 +218,12 @@ def calibration_report(what: list[str]) -> str:
     if "gpt-ref" in what:
         from benchmarks.models import gpt_ref_example
 
-        model = gpt_ref_example()
-        first = gpt_ref_plan(0.4, model)
+        model_and_input = gpt_ref_example()
+        first = gpt_ref_plan(0.4, model_and_input)
         # the same process: the same model at another budget (a user re-planning), then the
         # first budget again; then a new instance, traced anew with the calibration held
-        other = gpt_ref_plan(0.3, model)
-        again = gpt_ref_plan(0.4, model)
+        other = gpt_ref_plan(0.3, model_and_input)
+        again = gpt_ref_plan(0.4, model_and_input)
         other_instance = gpt_ref_plan(0.3)
         third = gpt_ref_plan(0.4)
         new = _in_new_process("gpt-ref-plan", "0.4")
