@@ -111,7 +111,6 @@ def measure(
     measure_step = {"tracker": _tracked_step, "cuda": _cuda_step, "profiler": _profiled_step}
     with _restored_state(module_or_model, device):
         for _ in range(warmup):
-            _clear_grads(module_or_model)
             _step(module_or_model, example_input, loss_fn)
         _clear_grads(module_or_model)
         gc.collect()
@@ -130,6 +129,8 @@ def measure(
 
 
 def _step(module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None) -> None:
+    """One untimed, untracked step, from parameter gradients set to None."""
+    _clear_grads(module)
     with amp_forward():
         loss = training_loss(call(module, example_input, loss_fn), loss_fn, example_input)
     with amp_backward():
@@ -159,7 +160,6 @@ def time_step(
     device = _device_of(module_or_model, example_input)
     with _restored_state(module_or_model, device):
         for _ in range(warmup):
-            _clear_grads(module_or_model)
             _step(module_or_model, example_input, loss_fn)
         now = time.process_time if clock == "cpu" else time.perf_counter
         return _timed_steps(module_or_model, example_input, loss_fn, device, repeats, now)
@@ -209,7 +209,6 @@ def measured_step_time(
         timed: dict[str, list[StepTime]] = {kind: [] for kind in steps}
         for _ in range(rounds):
             for kind, module in steps.items():
-                _clear_grads(module)
                 _step(module, example_input, loss_fn)
                 timed[kind].append(_timed_steps(module, example_input, loss_fn, device, 1, now))
     plain = StepTime(
