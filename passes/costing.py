@@ -222,7 +222,7 @@ def with_measured_times(
         saving_node_overhead_s=overhead.per_saving_node_s,
         selective_call_overhead_s=overhead.per_selective_call_s,
         offload_region_overhead_s=overhead.offload_region_s,
-        offloaded_node_overhead_s=overhead.per_offloaded_node_s,
+        offloaded_storage_overhead_s=overhead.per_offloaded_storage_s,
     )
     if step_time is not None and step_time.checkpointed_s is not None:
         # The step checkpointed whole recomputes the forward (to its last save): what that

@@ -569,15 +569,15 @@ class CheckpointOverhead:
     for it in forward, again in the recomputation, and on unpacking in backward);
     ``per_selective_call_s`` for each aten call of a selective region (its policy's dispatch
     mode sees every op, in forward and in the recomputation). An offload region instead costs
-    ``offload_region_s`` once and ``per_offloaded_node_s`` for each node in it that saves (its
-    storages sent to the host and fetched back: hooks, pinned buffers, copies, events).
+    ``offload_region_s`` once and ``per_offloaded_storage_s`` for each storage it sends to the
+    host and fetches back (hooks, pinned buffers, copies, events).
     """
 
     region_s: float = 0.0
     per_saving_node_s: float = 0.0
     per_selective_call_s: float = 0.0
     offload_region_s: float = 0.0
-    per_offloaded_node_s: float = 0.0
+    per_offloaded_storage_s: float = 0.0
 
 
 _CHECKPOINT_OVERHEAD: dict[str, CheckpointOverhead] = {}
@@ -675,13 +675,15 @@ def measure_checkpoint_overhead(
     many_s, many_selective_s, many_offload_s = excess_s(8)
     per_saving_node_s = max(0.0, (many_s - few_s) / (2 * 8 - 2))
     per_selective_call_s = max(0.0, (many_selective_s - many_s) / (2 * 8))
-    per_offloaded_node_s = max(0.0, (many_offload_s - few_offload_s) / (2 * 8 - 2))
+    # each layer's tanh output is the one storage it sends (the mul saves the layer's input and
+    # weight: the region's argument or the last tanh's output, already sent)
+    per_offloaded_storage_s = max(0.0, (many_offload_s - few_offload_s) / (8 - 1))
     return CheckpointOverhead(
         region_s=max(0.0, few_s - 2 * per_saving_node_s),
         per_saving_node_s=per_saving_node_s,
         per_selective_call_s=per_selective_call_s,
-        offload_region_s=max(0.0, few_offload_s - 2 * per_offloaded_node_s),
-        per_offloaded_node_s=per_offloaded_node_s,
+        offload_region_s=max(0.0, few_offload_s - per_offloaded_storage_s),
+        per_offloaded_storage_s=per_offloaded_storage_s,
     )
 
 

@@ -81,7 +81,9 @@ FORMAT = "planner-calibration"
 # 6: the checkpoint bookkeeping measured with a layer of work between regions, as in a model,
 # and small steps each timed after one of their own kind (version 5's were under half and 5-7%
 # over, on a CPU).
-VERSION = 6
+# 7: an offload region's bookkeeping per storage it sends (``per_offloaded_storage_s``), not per
+# saving node (an H200 measured GPT's offload plans at up to twice their price).
+VERSION = 7
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
 # per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.

@@ -169,13 +169,14 @@ class CostGraph:
     # (region_overhead_time_s; measured on the device by passes/op_timing.py, 0 for roofline
     # prices): once per region, per node in it that saves for backward, per aten call
     # (Node.fwd_calls) of a selective region (its policy's dispatch mode sees each one). An
-    # offload region's own: once per region, per node in it that saves (its storages sent and
-    # fetched back).
+    # offload region's own: once per region, per storage it sends to host and fetches back
+    # (offloaded_storages; its pack, copies, events and unpack -- not per saving node: one
+    # node can save several storages, and GPT's blocks sent 34 storages from 26 saving nodes).
     region_overhead_s: float = 0.0
     saving_node_overhead_s: float = 0.0
     selective_call_overhead_s: float = 0.0
     offload_region_overhead_s: float = 0.0
-    offloaded_node_overhead_s: float = 0.0
+    offloaded_storage_overhead_s: float = 0.0
     # A node's recomputation over its forward time (node_recompute_time_s): fitted on the device
     # to a step checkpointed whole (passes/estimate.py); 1 for roofline prices.
     recompute_scale: float = 1.0
@@ -216,14 +217,21 @@ class CostGraph:
     def checkpoint_overhead_s(self, start: int, stop: int, kind: str = "recompute") -> float:
         """What a region of ``kind`` over nodes [start, stop) adds beyond its recomputation (an
         offload region: beyond its exposed copies)."""
+        if kind == "offload":
+            sent = self.offloaded_storages(start, stop)
+            return self.offload_region_overhead_s + sent * self.offloaded_storage_overhead_s
         saving, calls = self._overhead_prefix
         saves = saving[stop] - saving[start]
-        if kind == "offload":
-            return self.offload_region_overhead_s + saves * self.offloaded_node_overhead_s
         overhead_s = self.region_overhead_s + saves * self.saving_node_overhead_s
         if kind == "selective":
             overhead_s += (calls[stop] - calls[start]) * self.selective_call_overhead_s
         return overhead_s
+
+    def offloaded_storages(self, start: int, stop: int) -> int:
+        """See simulate's Rule 7: the storages an offload region over nodes [start, stop) sends
+        to host, each once: made inside it and saved by a node inside it."""
+        first_savers = self._first_savers
+        return sum(s < stop for i in range(start, stop) for s in first_savers[i])
 
     def preserves_rng_state(self, start: int, stop: int) -> bool:
         """Whether a checkpoint over nodes [start, stop) runs with ``preserve_rng_state``: a
@@ -257,6 +265,17 @@ class CostGraph:
             saving.append(saving[-1] + n.saves_for_backward)
             calls.append(calls[-1] + n.fwd_calls)
         return tuple(saving), tuple(calls)
+
+    @cached_property
+    def _first_savers(self) -> tuple[tuple[int, ...], ...]:
+        """For each node, the first node that saves each storage it makes (savers run at or
+        after the producer, so a region from the producer on holds that saver iff it holds the
+        first)."""
+        by_producer: list[list[int]] = [[] for _ in self.nodes]
+        for t in self.tensors:
+            if t.saved_by and 0 <= t.producer < len(self.nodes):
+                by_producer[t.producer].append(min(t.saved_by))
+        return tuple(tuple(savers) for savers in by_producer)
 
     @cached_property
     def step_time_s(self) -> float:
@@ -359,5 +378,5 @@ def weighted_graph(graph: CostGraph, flops_weight: float, time_weight: float = 1
         saving_node_overhead_s=time_weight * graph.saving_node_overhead_s,
         selective_call_overhead_s=time_weight * graph.selective_call_overhead_s,
         offload_region_overhead_s=time_weight * graph.offload_region_overhead_s,
-        offloaded_node_overhead_s=time_weight * graph.offloaded_node_overhead_s,
+        offloaded_storage_overhead_s=time_weight * graph.offloaded_storage_overhead_s,
     )

@@ -1290,7 +1290,7 @@ def memory_graph(graph: CostGraph) -> CostGraph:
         saving_node_overhead_s=0.0,
         selective_call_overhead_s=0.0,
         offload_region_overhead_s=0.0,
-        offloaded_node_overhead_s=0.0,
+        offloaded_storage_overhead_s=0.0,
     )
 
 

@@ -3,10 +3,11 @@ CPU with the host taken for another memory than the device's (``host_apart``), s
 region sends goes through the copy to host and back that CUDA makes (without its streams).
 
 - Both forms send exactly the storages the memory model prices: each storage made inside the
-  region and saved for backward, once (the host holds their bytes, no more), and no parameter
-  and no region input; the gradients are bitwise the model's own (dropout included). The graph
-  form ran its regions under ``save_on_cpu`` before, which sent every saved tensor (parameters
-  and inputs too): on CUDA its plans measured 4-19% below their predictions.
+  region and saved for backward, once (the host holds their bytes, no more; their count is
+  what the region's bookkeeping is priced by), and no parameter and no region input; the
+  gradients are bitwise the model's own (dropout included). The graph form ran its regions
+  under ``save_on_cpu`` before, which sent every saved tensor (parameters and inputs too): on
+  CUDA its plans measured 4-19% below their predictions.
 - An in-place plan's offloaded block compiled by inductor: the saved tensors come back with
   the strides its backward asserts (a permuted view came back contiguous and failed
   ``assert_size_stride``), the gradients are eager's within inductor's tolerance, and dynamo
@@ -99,6 +100,10 @@ def test_an_offload_region_sends_what_rule_7_prices(form, sending, monkeypatch):
     assert sum(storages(sent).values()) == p.simulation.offload_bytes > 0
     # each of them went to host once
     assert sum(s.host.nbytes for call in calls for s in call.sent) == p.simulation.offload_bytes
+    # and the region's bookkeeping is priced per storage sent (CostGraph.checkpoint_overhead_s)
+    (region,) = p.schedule.regions
+    sends = sum(len(call.sent) for call in calls)
+    assert sends == p.graph.offloaded_storages(region.start, region.stop) > 1
 
 
 @pytest.mark.slow
