@@ -1,16 +1,21 @@
 """dp's value functions as breakpoints (``solvers/frontier.py``) against the dense tables they
 replace: every operation gives the same value at every budget, and ``improve`` the same choice
-a unit-by-unit comparison makes."""
+a unit-by-unit comparison makes; merges walked in Python (small ones) and by numpy alike."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.solvers import frontier
 from planner.solvers.frontier import EMPTY, Frontier, constant, dense, improve
 
 SIZE = 24
+SMALL_POINTS = frontier.SMALL_POINTS
 INF = np.inf
 
 
@@ -29,11 +34,31 @@ def dense_labels(v: Frontier) -> list[int | None]:
     return [None if v.at(m) == INF else v.label_at(m) for m in range(SIZE)]
 
 
+@contextlib.contextmanager
+def merging(small_points: int):
+    """frontier.SMALL_POINTS set: 0 merges every function with numpy, 12 (two functions of at
+    most six points) every one in Python."""
+    frontier.SMALL_POINTS = small_points
+    try:
+        yield
+    finally:
+        frontier.SMALL_POINTS = SMALL_POINTS
+
+
+WALKS = pytest.mark.parametrize("small_points", [0, 12])
+
+
+@WALKS
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(frontiers(), frontiers(), st.integers(-SIZE - 2, SIZE + 2), st.integers(-2, SIZE + 2))
 def test_each_operation_gives_the_dense_tables_values(
-    v: Frontier, w: Frontier, shift: int, lo: int
+    small_points: int, v: Frontier, w: Frontier, shift: int, lo: int
 ) -> None:
+    with merging(small_points):
+        check_operations(v, w, shift, lo)
+
+
+def check_operations(v: Frontier, w: Frontier, shift: int, lo: int) -> None:
     dv, dw = dense(v, SIZE), dense(w, SIZE)
     for m in range(SIZE):
         assert v.at(m) == dv[m]
@@ -47,12 +72,14 @@ def test_each_operation_gives_the_dense_tables_values(
     assert v.top == (dv[-1] if len(v) else INF)
 
 
+@WALKS
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(frontiers(), frontiers())
 def test_improve_takes_an_option_exactly_where_it_is_strictly_better(
-    best: Frontier, option: Frontier
+    small_points: int, best: Frontier, option: Frontier
 ) -> None:
-    got, better = improve(best, option, 9)
+    with merging(small_points):
+        got, better = improve(best, option, 9)
     db, do = dense(best, SIZE), dense(option, SIZE)
     assert np.array_equal(dense(got, SIZE), np.minimum(db, do))
     assert better == bool((do < db).any())
