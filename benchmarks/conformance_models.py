@@ -132,6 +132,65 @@ def mamba(batch: int) -> Example:
     return MambaForCausalLM(cfg).train(), x
 
 
+def mamba2(batch: int) -> Example:
+    """Mamba-2: state-space duality, chunked scan (the torch path on CPU)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32,
+        state_size=8, n_groups=1, expand=2, chunk_size=16, use_cache=False, **SPECIAL,
+    )  # fmt: skip
+    return Mamba2ForCausalLM(cfg).train(), tokens(batch, mask=False)
+
+
+def _images(batch: int, labels: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(batch, 3, 32, 32, generator=g)
+    return {"pixel_values": pixels, "labels": torch.randint(0, labels, (batch,), generator=g)}
+
+
+def resnet(batch: int) -> Example:
+    """Hugging Face's ResNet: BatchNorm in every block, residual adds."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=2)
+    return ResNetForImageClassification(cfg).train(), _images(batch, 2)
+
+
+def swin(batch: int) -> Example:
+    """Swin: shifted-window attention, patch merging between stages."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    torch.manual_seed(0)
+    cfg = SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4, num_labels=2,
+    )  # fmt: skip
+    return SwinForImageClassification(cfg).train(), _images(batch, 2)
+
+
+def whisper(batch: int) -> Example:
+    """Whisper: a speech encoder (convolutions over log-mel features) and a text decoder."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=16, d_model=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_source_positions=32, max_target_positions=32,
+        decoder_start_token_id=1, use_cache=False, **SPECIAL,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(batch, 16, 64, generator=g)  # 2 x max_source_positions frames
+    labels = torch.randint(3, VOCAB, (batch, 16), generator=g)
+    return WhisperForConditionalGeneration(cfg).train(), {
+        "input_features": features,
+        "labels": labels,
+    }
+
+
 class ConvBNReLU(nn.Sequential):
     def __init__(self, c_in: int, c_out: int) -> None:
         super().__init__(
@@ -209,6 +268,24 @@ ZOO: dict[str, Callable[[int], Example]] = {
         **SPECIAL,
     ),  # fmt: skip
     "gpt_neox": _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", False, **MHA_DECODER),
+    # logit soft-capping, sliding-window layers, head_dim apart from the width
+    "gemma2": _hf(
+        "Gemma2Config", "Gemma2ForCausalLM", True, head_dim=16, sliding_window=32, **DECODER
+    ),
+    # parallel attention and MLP, rotary on part of each head
+    "gptj": _hf(
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        False,
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=8,
+        n_positions=SEQ,
+        use_cache=False,
+        **SPECIAL,
+    ),  # fmt: skip
     "phi": _hf("PhiConfig", "PhiForCausalLM", False, **MHA_DECODER),
     # a custom autograd.Function (Bloom's GeLU), ALiBi
     "bloom": _hf(
@@ -248,7 +325,50 @@ ZOO: dict[str, Callable[[int], Example]] = {
         shared_expert_intermediate_size=64,
         **DECODER,
     ),  # fmt: skip
+    "qwen3_moe": _hf(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        False,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        **DECODER,
+    ),  # fmt: skip
     "mamba": mamba,
+    "mamba2": mamba2,
+    # attention, Mamba and mixture-of-experts layers in one model
+    "jamba": _hf(
+        "JambaConfig",
+        "JambaForCausalLM",
+        False,
+        num_experts=2,
+        num_experts_per_tok=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        mamba_d_state=8,
+        mamba_expand=2,
+        use_mamba_kernels=False,
+        **DECODER,
+    ),  # fmt: skip
+    # disentangled attention (relative positions)
+    "deberta_v2": _hf(
+        "DebertaV2Config",
+        "DebertaV2ForMaskedLM",
+        True,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=SEQ,
+        **SPECIAL,
+    ),  # fmt: skip
+    "resnet": resnet,
+    "swin": swin,
+    "whisper": whisper,
     # plain torch
     "cnn": cnn,
     "unet": unet,
