@@ -250,11 +250,11 @@ class SoftCap(nn.Module):
 
 
 def test_nested_calls_hold_their_arguments_until_they_return():
-    """One region over the whole step and, inside it, three nested ever deeper over the scale,
-    the division and the tanh. In the outer recomputation each nested call holds its argument
-    (1 MiB each) until it returns: the scores, the scaled and the divided scores and the tanh
-    are alive at once (Rule 13). simulate freed each at its last reader: 4,194,312 B
-    predicted, 5,242,888 B measured."""
+    """One region from the scores to the softmax and, inside it, three nested ever deeper over
+    the scale, the division and the tanh. In the outer recomputation each nested call holds
+    its argument (1 MiB each) until it returns: the scores, the scaled and the divided scores
+    and the tanh are alive at once (Rule 13). simulate freed each at its last reader:
+    4,194,312 B predicted, 5,242,888 B measured."""
     torch.manual_seed(0)
     model, x = SoftCap(), torch.randn(64, 8)
     priced = price(model, x, device="cpu")
