@@ -102,6 +102,12 @@ def t5(batch: int) -> Example:
     return T5ForConditionalGeneration(cfg).train(), tokens(batch, mask=False)
 
 
+def _images(batch: int, labels: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(batch, 3, 32, 32, generator=g)
+    return {"pixel_values": pixels, "labels": torch.randint(0, labels, (batch,), generator=g)}
+
+
 def vit(batch: int) -> Example:
     """ViT image classifier: 32x32 images, 4x4 patches (64 and a class token: with 8x8 patches,
     17 tokens, the step's peak was its parameters' gradients, which no plan lowers)."""
@@ -112,10 +118,7 @@ def vit(batch: int) -> Example:
         image_size=32, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=128, num_labels=10,
     )  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    pixels = torch.randn(batch, 3, 32, 32, generator=g)
-    labels = torch.randint(0, 10, (batch,), generator=g)
-    return ViTForImageClassification(cfg).train(), {"pixel_values": pixels, "labels": labels}
+    return ViTForImageClassification(cfg).train(), _images(batch, 10)
 
 
 def mamba(batch: int) -> Example:
@@ -142,12 +145,6 @@ def mamba2(batch: int) -> Example:
         state_size=8, n_groups=1, expand=2, chunk_size=16, use_cache=False, **SPECIAL,
     )  # fmt: skip
     return Mamba2ForCausalLM(cfg).train(), tokens(batch, mask=False)
-
-
-def _images(batch: int, labels: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    pixels = torch.randn(batch, 3, 32, 32, generator=g)
-    return {"pixel_values": pixels, "labels": torch.randint(0, labels, (batch,), generator=g)}
 
 
 def resnet(batch: int) -> Example:
