@@ -4,8 +4,9 @@ A plan on the model's own device prices time from measurements made there
 (``passes/op_timing.py``): each distinct aten call of the step (op, shapes, strides, dtypes)
 timed alone, the step's per-call overhead (Python, autograd, dispatch: a stand-in chain stepped
 for real, minus its calls timed alone) and a checkpoint region's bookkeeping (plain and
-selective). Every figure is the fastest of several short repeats, so load on the machine moves
-it little, and none is a whole training step of the model: a cold plan times only its ops.
+selective). Every figure comes from several short repeats (a CPU call's median run, the fastest
+of the rest), so load on the machine moves it little, and none is a whole training step of the
+model: a cold plan times only its ops.
 
 :class:`Calibration` holds them for one (device, torch version, dtype). It is kept
 
@@ -83,7 +84,9 @@ FORMAT = "planner-calibration"
 # over, on a CPU).
 # 7: an offload region's bookkeeping per storage it sends (``per_offloaded_storage_s``), not per
 # saving node (an H200 measured GPT's offload plans at up to twice their price).
-VERSION = 7
+# 8: a CPU call's figure is its median cold run, not its fastest (``op_timing._cold_cpu_s``: on
+# a shared VM the fastest priced GPT-ref's step 18% under its time).
+VERSION = 8
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
 # per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
@@ -357,15 +360,19 @@ RETIME_MIN_S = 20e-6
 
 
 def _checked(
-    call: OpCall, seconds: float | None, expected_s: float | None, device: torch.device
+    call: OpCall,
+    seconds: float | None,
+    expected_s: float | None,
+    device: torch.device,
+    repeats: int = 5,
 ) -> float | None:
-    """``seconds``, or ``call`` timed again if that is faster, when ``seconds`` is over
-    RETIME_JUMP times ``expected_s``."""
+    """``seconds``, or ``call`` timed again (``repeats`` runs) if that is faster, when
+    ``seconds`` is over RETIME_JUMP times ``expected_s``."""
     if seconds is None or expected_s is None or expected_s < RETIME_MIN_S:
         return seconds
     if seconds <= RETIME_JUMP * expected_s:
         return seconds
-    again = time_call(call, device)
+    again = time_call(call, device, repeats)
     MEASUREMENTS["retimed"] += 1
     return seconds if again is None else min(seconds, again)
 
@@ -408,8 +415,10 @@ def _grown_by(small: OpCall, large: OpCall) -> float | None:
     return ratio
 
 
-# How many of an op's largest calls ``_per_op_corrected`` times at a new batch size.
+# How many of an op's largest calls ``_per_op_corrected`` times at a new batch size, and how
+# many runs each (after a warm-up): the median over the calls is what counts.
 CORRECTION_CALLS = 3
+CORRECTION_REPEATS = 1
 
 
 def _per_op_corrected(
@@ -420,27 +429,30 @@ def _per_op_corrected(
     Linear scaling holds for compute-bound calls (matmuls: GPT-ref's within 4% from batch 8 to
     64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
     pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's CORRECTION_CALLS
-    largest calls are timed, and the median of their ratios of timed to scaled figure applied
-    to the op's other calls: one call's ratio alone would carry its timing's noise to every
-    call of the op. A few timed calls per batch size instead of hundreds; one timed over
-    RETIME_JUMP times its scaled figure is timed again (:func:`_checked`)."""
+    largest calls are timed, one run each (CORRECTION_REPEATS), and the median of their ratios
+    of timed to scaled figure applied to all the op's calls, those timed too: one call's ratio
+    alone would carry its run's noise to every call of the op, and the median of three calls
+    run once each costs a third of one call timed as ``time_call`` does (the largest sizes'
+    calls were most of a cold ``fit_batch``). A few timed calls per batch size instead of
+    hundreds; one timed over RETIME_JUMP times its scaled figure is timed again
+    (:func:`_checked`)."""
     by_text = {c.key_text: c for c in calls}
     groups: dict[str, list[tuple[float, str]]] = {}
     for text, seconds in scaled.items():
         groups.setdefault(str(by_text[text].op), []).append((seconds, text))
     out: dict[str, float] = {}
     for group in groups.values():
-        timed: dict[str, float] = {}
         factors = []
         for seconds, text in sorted(group, reverse=True)[:CORRECTION_CALLS]:
-            figure = _checked(by_text[text], time_call(by_text[text], device), seconds, device)
+            call = by_text[text]
+            figure = time_call(call, device, CORRECTION_REPEATS)
+            figure = _checked(call, figure, seconds, device, CORRECTION_REPEATS)
             MEASUREMENTS["ops"] += 1
             if figure is not None:
-                timed[text] = figure
                 factors.append(figure / seconds)
         factor = statistics.median(factors) if factors else 1.0
         for seconds, text in group:
-            out[text] = timed.get(text, seconds * factor)
+            out[text] = seconds * factor
     return out
 
 
