@@ -322,9 +322,9 @@ def _cold_cpu_s(call: OpCall, args: tuple, kwargs: dict, repeats: int, slow: boo
     and on a CPU shared with other machines' work single runs spread widely (one 2048 x 1024
     by 1024 x 256 matmul, 15 cold runs on one VM: 13.2 to 22.5 ms, median 17.4 ms). Priced by
     its calls' fastest runs, GPT-ref's batch-8 step came to 2.60 s and ran in 3.12-3.23 s (its
-    matmuls 21-25% over their figures in the step, by the profiler); by their medians, 3.02
-    and 3.25 s in two calibrations, against 2.96-3.25 s. The CPU clock leaves out the time
-    other processes run, which the fastest run was there to drop.
+    matmuls 21-25% over their figures in the step, by the profiler); by their medians, 3.25 s,
+    and the same process ran it in 2.96-3.25 s (another calibration: 3.02 s). The CPU clock
+    leaves out the time other processes run, which the fastest run was there to drop.
 
     A call repeated back to back finds its arguments in the caches; in a step they were
     written one or many ops before, weights were last read a layer or a step ago, and the
