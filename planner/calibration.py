@@ -431,9 +431,9 @@ def _per_op_corrected(
     pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's CORRECTION_CALLS
     largest calls are timed, one run each (CORRECTION_REPEATS), and the median of their ratios
     of timed to scaled figure applied to all the op's calls, those timed too: one call's ratio
-    alone would carry its run's noise to every call of the op, and the median of three calls
-    run once each costs a third of one call timed as ``time_call`` does (the largest sizes'
-    calls were most of a cold ``fit_batch``). A few timed calls per batch size instead of
+    alone would carry its run's noise to every call of the op, and a call run once after its
+    warm-up takes a half to a third of the runs of one timed as ``time_call`` does (the largest
+    sizes' calls were most of a cold ``fit_batch``). A few timed calls per batch size instead of
     hundreds; one timed over RETIME_JUMP times its scaled figure is timed again
     (:func:`_checked`)."""
     by_text = {c.key_text: c for c in calls}
