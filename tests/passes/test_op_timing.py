@@ -106,7 +106,7 @@ def test_page_faults_are_taken_off_only_where_every_run_faulted(monkeypatch):
     """glibc maps an output of 32 MiB or more afresh on every run unless a free heap chunk fits
     it: where every run faulted, the pages' price is taken off (the call on reused memory);
     where some run faulted nothing (its first runs faulted while glibc's threshold rose), the
-    such runs count as they were."""
+    median of those runs counts as it was."""
     always = _timed_with(monkeypatch, [(10e-3, 1000)] * 5)
     assert always == pytest.approx(10e-3 - 1000 * 2e-6)
     first_two = _timed_with(monkeypatch, [(10e-3, 1000)] * 2 + [(9.5e-3, 0)] * 3)
