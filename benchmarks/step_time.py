@@ -176,6 +176,12 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
         cpu_s = after.user - before.user + after.system - before.system
         return step_s, after.system - before.system, cpu_s
 
+    def sample(b: int) -> None:
+        step_s, kernel_s, cpu_s = step(b)
+        samples[b].append(step_s)
+        system[b][0] += kernel_s
+        system[b][1] += cpu_s
+
     if SETTLE:
         # As a training loop runs one batch size: steps in a row until the kernel's share has
         # settled (GPT-ref's eager batch 64, fresh in a process, two processes: 59-60% on its
@@ -190,18 +196,12 @@ def check_fit_batch(name: str, cap_batch: int, repeats: int) -> None:
                     break
             settled_after[b] = len(shares)
             for _ in range(repeats):
-                step_s, kernel_s, cpu_s = step(b)
-                samples[b].append(step_s)
-                system[b][0] += kernel_s
-                system[b][1] += cpu_s
+                sample(b)
     else:
         for _ in range(repeats):
             for b in modules:
                 step(b)  # a warm-up: the step before was another batch size's
-                step_s, kernel_s, cpu_s = step(b)
-                samples[b].append(step_s)
-                system[b][0] += kernel_s
-                system[b][1] += cpu_s
+                sample(b)
     how = (
         f"each batch size's steps in a row, settled after {settled_after} steps"
         if SETTLE
