@@ -360,3 +360,40 @@ def test_a_pass_without_selective_regions_sharing_the_region_contexts_is_a_fresh
     for m in range(len(fresh.root_value)):
         budget = m * fresh.unit_bytes
         assert shared.schedule(budget) == fresh.schedule(budget), budget
+
+
+def test_a_second_budget_reads_the_first_budgets_programme_and_answers_as_a_fresh_solve(
+    monkeypatch,
+):
+    """A programme is run up to the eager peak once per graph and space (``solved_once``): a
+    solve at another budget runs no new state, and answers, note and all, exactly as a solve
+    with nothing cached does; the levels it refines to are decided on the same counted work."""
+    from planner.solvers import dp
+
+    graph = gpt_like_graph(n_layer=4, d_model=32, seq_len=64, batch=2, vocab=64)
+    eager = simulate(graph, Schedule()).peak_bytes
+    budgets = [round(f * eager) for f in (0.8, 0.5, 0.65)]
+    fresh = []
+    for budget in budgets:
+        dp._SOLVED_CACHE.clear()
+        fresh.append(solve_dp(graph, budget))
+    dp._SOLVED_CACHE.clear()
+    runs = []
+    real_solve_all = dp.solve_all
+    monkeypatch.setattr(
+        dp, "solve_all", lambda *a, **k: runs.append(a[1]) or real_solve_all(*a, **k)
+    )
+    states = dp.WORK.states
+    first = solve_dp(graph, budgets[0])
+    first_states = dp.WORK.states - states
+    ran = len(runs)
+    assert ran and set(runs) == {eager}  # every level up to the eager peak, whatever the budget
+    for budget, want in zip(budgets, fresh):
+        states = dp.WORK.states
+        got = solve_dp(graph, budget) if budget != budgets[0] else first
+        assert (got.regions, got.note, got.gap) == (want.regions, want.note, want.gap)
+        assert simulate(graph, got).peak_bytes <= budget
+        if budget != budgets[0]:
+            assert dp.WORK.states - states == first_states  # the cached work, counted again
+    assert len(runs) == ran  # the later budgets ran nothing new
+    assert len({s.regions for s in fresh}) == 3  # three budgets, three different plans
