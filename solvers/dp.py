@@ -1269,10 +1269,16 @@ def solved_once(
     else:
         WORK.states += got[1]
         WORK.cells += got[2]
-    _SOLVED_CACHE[key] = got  # the most recent last
-    while len(_SOLVED_CACHE) > SOLVED_CACHE_SIZE:
-        del _SOLVED_CACHE[next(iter(_SOLVED_CACHE))]
+    _keep_recent(_SOLVED_CACHE, key, got, SOLVED_CACHE_SIZE)
     return got[0]
+
+
+def _keep_recent(cache: dict, key: object, value: object, size: int) -> None:
+    """``cache[key] = value`` as the most recent of at most ``size`` entries (a popped
+    entry put back is made the most recent)."""
+    cache[key] = value
+    while len(cache) > size:
+        del cache[next(iter(cache))]
 
 
 # The least-memory schedule (:func:`least_memory`) is sought on dp's levels coarse to fine
@@ -1343,9 +1349,7 @@ def least_memory(graph: CostGraph, options: DPOptions = DPOptions()) -> LeastMem
     got = _LEAST_CACHE.pop(key, None)
     if got is None:
         got = _seek_least_memory(*key)
-    _LEAST_CACHE[key] = got  # the most recent last
-    while len(_LEAST_CACHE) > LEAST_CACHE_SIZE:
-        del _LEAST_CACHE[next(iter(_LEAST_CACHE))]
+    _keep_recent(_LEAST_CACHE, key, got, LEAST_CACHE_SIZE)
     return got
 
 
@@ -1520,7 +1524,9 @@ def solve_dp(graph: CostGraph, budget_bytes: float, options: DPOptions) -> Sched
     A refinement predicted not to finish in the time left (the last level's work per stage
     times its stages, counted: ``WORK``, not timed) is not started. A programme cut short
     answers nothing: with no level done, dp answers with ``greedy``'s schedule (else
-    ``revolve``'s, else the least-memory one); the note says so.
+    ``revolve``'s, else the least-memory one); the note says so. Each level's programme is run
+    up to the eager peak and kept (:func:`solved_once`): a later solve of the same graph at
+    another budget reads it.
     """
     # dp's time limit is this process's CPU time, as every solver's (SolverOptions.deadline):
     # other jobs on the machine stretch its wall time, not its work, and must not cut a level
