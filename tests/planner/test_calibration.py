@@ -176,18 +176,28 @@ def test_a_pinned_calibration_gives_the_same_plan(cache, tmp_path):
 def test_a_bad_calibration_is_a_clear_error(cache, tmp_path):
     model, x = _example()
     bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(CalibrationError, match="not JSON"):
-        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
-    bad.write_text(json.dumps({"format": "planner-plan", "version": 1}))
-    with pytest.raises(CalibrationError, match="not a planner calibration"):
-        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
-    bad.write_text(json.dumps({"format": "planner-calibration", "version": 99}))
-    with pytest.raises(CalibrationError, match="version 99.*calibrate anew"):
-        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
-    bad.write_text(json.dumps({"format": "planner-calibration", "version": calibration.VERSION}))
-    with pytest.raises(CalibrationError, match="malformed field"):
-        planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
+    files = [
+        ("{not json", "not JSON"),
+        (json.dumps({"format": "planner-plan", "version": 1}), "not a planner calibration"),
+        (
+            json.dumps({"format": "planner-calibration", "version": 99}),
+            "version 99.*calibrate anew",
+        ),
+        (
+            json.dumps({"format": "planner-calibration", "version": calibration.VERSION}),
+            "malformed field",
+        ),
+    ]
+    with pytest.MonkeyPatch.context() as patched:
+        # a malformed file fails before the slow part: nothing is traced or timed for it
+        patched.setattr(
+            "planner.inplace_form.price_inplace", lambda *a, **k: pytest.fail("priced the step")
+        )
+        for text, error in files:
+            bad.write_text(text)
+            with pytest.raises(CalibrationError, match=error):
+                planner.plan(model, x, BUDGET_GB, form="inplace", calibration=bad)
+    # which device a calibration is for is checked against the model's, once it is priced
     other = dataclasses.replace(calibration.current(), device="cuda:NVIDIA H100")
     with pytest.raises(CalibrationError, match="pin a calibration made on this device"):
         planner.plan(model, x, BUDGET_GB, form="inplace", calibration=other)
