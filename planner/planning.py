@@ -135,8 +135,9 @@ class PlanOptions:
 
     def checked(self, solvers: Sequence[str] = ("auto",)) -> PlanOptions:
         """These options, checked before the slow part (:func:`check_form_options`) for
-        ``solvers``, the device resolved to its profile; a pinned calibration file that exists
-        read once, so that a malformed one fails before the model is traced."""
+        ``solvers``, the device resolved to its profile. A pinned calibration file that exists
+        is read here, so that a malformed one fails before the model is traced (pricing reads
+        it again, to extend it and write it back)."""
         if isinstance(self.calibration, (str, Path)) and Path(self.calibration).exists():
             Calibration.load(self.calibration)
         profile = check_form_options(

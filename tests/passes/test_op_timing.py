@@ -319,8 +319,10 @@ def test_a_regions_price_is_what_it_adds_to_a_models_step():
     torch.set_num_threads(1)  # two test workers on two cores: no thread waits on another
     ratios: list[float] = []
     try:
-        while len(ratios) < 3 and not (ratios and 0.5 < ratios[-1] < 2.0):
+        for _ in range(3):
             ratios.append(_region_price_ratio())
+            if 0.5 < ratios[-1] < 2.0:
+                break
     finally:
         torch.set_num_threads(threads)
     assert 0.5 < ratios[-1] < 2.0, ratios
