@@ -220,14 +220,15 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def plot_pareto(comparison: Rows, *, ax: Any = None) -> Figure:
-    """Peak memory vs predicted recompute time (ms) for every feasible row, a front per solver.
+    """Peak memory vs the predicted time checkpointing adds to the step (ms: recomputation and
+    each region's bookkeeping, ``Row.added_time_s``) for every feasible row, a front per solver.
 
     Time, not FLOPs: it is what the solvers minimise (pointwise ops cost time and no FLOPs),
     so a solver called optimal is lowest here at its budget. Uses measured peaks when the
     comparison measured them, else predicted peaks.
     """
     fig, ax = _figure_and_axes(ax, (8, 5))
-    feasible = [r for r in comparison.rows if r.feasible and r.recompute_time_s is not None]
+    feasible = [r for r in comparison.rows if r.feasible and r.added_time_s is not None]
     measured = bool(feasible) and all(r.measured_peak_bytes is not None for r in feasible)
     kind = "measured" if measured else "predicted"
     solvers = list(dict.fromkeys(r.solver for r in comparison.rows))
@@ -235,7 +236,7 @@ def plot_pareto(comparison: Rows, *, ax: Any = None) -> Figure:
         points = [
             (
                 (r.measured_peak_bytes if measured else r.predicted_peak_bytes) / MIB,
-                r.recompute_time_s * 1e3,
+                r.added_time_s * 1e3,
             )
             for r in feasible
             if r.solver == solver
@@ -268,7 +269,7 @@ def plot_pareto(comparison: Rows, *, ax: Any = None) -> Figure:
     for j, budget in enumerate(sorted({r.budget_bytes for r in comparison.rows})):
         ax.axvline(budget / MIB, color="gray", ls=":", lw=1, label="budgets" if j == 0 else None)
     ax.set_xlabel(f"{kind} peak of one step (MiB)")
-    ax.set_ylabel("predicted recompute time (ms, roofline estimate)")
+    ax.set_ylabel("predicted time checkpointing adds to a step (ms)")
     ax.set_title("memory / recompute trade-off (lower left is better)")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=-0.03 * ax.get_ylim()[1])  # eager's star sits at 0, on show

@@ -21,7 +21,7 @@ import planner
 from benchmarks.models import gpt_ref_small_example
 from planner.cli import UsageError, main, parse_budget, parse_budgets, parse_shape
 from planner.plans import region_module
-from planner.report import format_bytes
+from planner.report import format_bytes, format_ms
 from tests.helpers import assert_same_step_copy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -515,7 +515,8 @@ def test_compare_is_in_place_by_default_and_takes_plans_options(tmp_path, capsys
         assert cells[1] == format_bytes(r.budget_bytes)
         if r.feasible:
             assert cells[3] == format_bytes(r.predicted_peak_bytes)
-            assert cells[6] == f"+{r.recompute_flops_pct:.1f}%"
+            assert cells[5] == format_ms(r.added_time_s)
+            assert cells[7] == f"+{r.recompute_flops_pct:.1f}%"
     # the FLOPs cap reaches compare() as plan's fraction; its errors exit 2 in one line
     seen: dict = {}
 

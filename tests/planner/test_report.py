@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -131,6 +132,16 @@ def test_summary_rows_add_up_to_the_totals_it_prints(nested_plan):
         assert format_ms(cost.recompute_time_s) in row
         assert format_bytes(cost.freed_bytes) in row
     assert f"recompute {format_flops(p.predicted_recompute_flops, unit)}" in text
+    # the step-time line names every part of the predicted step, each region's bookkeeping too
+    bookkeeping_s = sum(p.graph.region_overhead_time_s(r) for r in p.schedule.regions)
+    assert bookkeeping_s > 0  # measured on this machine (passes/op_timing.py)
+    step_line = next(line for line in text.splitlines() if line.startswith("predicted step"))
+    assert step_line.startswith(f"predicted step time {format_ms(p.predicted_step_time_s)}: ")
+    assert f" + checkpoint bookkeeping {format_ms(bookkeeping_s)}" in step_line
+    parts = re.findall(r"([\d.,]+) ms", step_line.split(": ", 1)[1])
+    parts_ms = [float(x.replace(",", "")) for x in parts]  # each rounded to 0.01 ms
+    step_ms = p.predicted_step_time_s * 1e3
+    assert len(parts_ms) == 3 and sum(parts_ms) == pytest.approx(step_ms, abs=0.02)
 
 
 def test_solver_internals_only_in_the_verbose_summary(nested_plan):
