@@ -247,9 +247,10 @@ WHOLE_WITHIN_5 = ("gpt", "llama")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_per_rank_plans(tmp_path, world):
-    names = ("gpt", "llama")
+# Four ranks (four processes on CI's two cores) for Llama alone, whose grouped-query attention
+# and RNG-stashing regions are the harder prediction: both models took 38 s there.
+@pytest.mark.parametrize("world, names", [(2, ("gpt", "llama")), (4, ("llama",))])
+def test_fsdp2_per_rank_plans(tmp_path, world, names):
     paths = {name: str(tmp_path / f"{name}.json") for name in names}
     planned = {name: _plan(name, world, paths[name]) for name in names}
     out = str(tmp_path / "results.pt")
