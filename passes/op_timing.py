@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from planner.passes.offload import host_apart, offloaded_call
 
@@ -137,7 +137,7 @@ _WORKSPACE_BYTES: dict[tuple[str, tuple], int] = {}
 # Python's own overhead do not swamp microsecond kernels. Of the stretches the fastest counts
 # (as timeit advises): other processes only ever slow a run down, and a figure cached for the
 # whole process must not keep one moment's load. (A CPU call timed cold, once per run, counts
-# its median run instead: :func:`_cold_cpu_s`.)
+# its median run instead: :func:`_cold_cpu_times`.)
 MIN_STRETCH_S = 1e-3
 # Calls slower than this are timed SLOW_REPEATS times in all (not ``repeats``).
 SLOW_CALL_S = 20e-3
@@ -153,16 +153,15 @@ def time_calls(
 ) -> dict[tuple, float]:
     """Seconds per call of each distinct call, of ``repeats`` runs on ``device``
     (:func:`time_call`)."""
+    calls = list(calls)
+    new = {c.key: c for c in calls if (str(device), c.key) not in _TIMES}
+    for key, seconds in zip(new, time_each(list(new.values()), device, repeats)):
+        _TIMES[(str(device), key)] = seconds
     times: dict[tuple, float] = {}
     for call in calls:
-        key = call.key
-        if key in times:
-            continue
-        cache_key = (str(device), key)
-        if cache_key not in _TIMES:
-            _TIMES[cache_key] = _time_call(call, device, repeats)
-        if _TIMES[cache_key] is not None:
-            times[key] = _TIMES[cache_key]  # type: ignore[assignment]
+        seconds = _TIMES[(str(device), call.key)]
+        if seconds is not None:
+            times[call.key] = seconds
     return times
 
 
@@ -212,7 +211,33 @@ def time_call(call: OpCall, device: torch.device, repeats: int = 5) -> float | N
     back-to-back runs), not cached; None for a call that does not run on random tensors. On
     CUDA the same runs measure its kernel workspace, which :func:`workspace_bytes` then
     gives."""
-    return _time_call(call, device, repeats)
+    return time_each([call], device, repeats)[0]
+
+
+def time_each(
+    calls: Sequence[OpCall], device: torch.device, repeats: int = 5
+) -> list[float | None]:
+    """:func:`time_call` of each of ``calls``, in order. On the CPU their cold runs go in
+    rounds that share one eviction of the caches (:func:`_cold_cpu_times`)."""
+    if device.type != "cpu":
+        return [_time_call(call, device, repeats) for call in calls]
+    out: list[float | None] = [None] * len(calls)
+    group: dict[int, _ColdRuns] = {}  # by the call's place in ``calls``
+
+    def time_group() -> None:
+        for k, seconds in zip(group, _cold_cpu_times(list(group.values()), repeats)):
+            out[k] = seconds
+        group.clear()
+
+    for k, call in enumerate(calls):
+        runs = _ColdRuns.prepared(call)
+        if runs is None:
+            continue  # it does not run on random tensors: priced by the roofline
+        if group and sum(r.nbytes for r in group.values()) + runs.nbytes > COLD_GROUP_BYTES:
+            time_group()
+        group[k] = runs
+    time_group()
+    return out
 
 
 def workspace_bytes(call: OpCall, device: torch.device) -> int:
@@ -265,15 +290,13 @@ def _real_arguments(call: OpCall, device: torch.device) -> tuple[Any, Any]:
 
 
 def _time_call(call: OpCall, device: torch.device, repeats: int, hot: bool = False) -> float | None:
-    """``hot``: back to back on the CPU too, its data left in the caches."""
+    """Back to back (on the CPU: ``hot``, its data left in the caches; cold: :func:`time_each`)."""
+    if device.type == "cpu" and not hot:
+        return time_each([call], device, repeats)[0]
     args, kwargs = _real_arguments(call, device)
     try:
         with torch.no_grad():
-            t0 = time.perf_counter()
             call.op(*args, **kwargs)  # warm-up: lazy initialisation, allocator growth
-            warmup_s = time.perf_counter() - t0
-            if device.type == "cpu" and not hot:
-                return _cold_cpu_s(call, args, kwargs, repeats, slow=warmup_s > SLOW_CALL_S)
             if device.type == "cuda":  # after the warm-up: no lazy set-up, no algorithm search
                 torch.cuda.synchronize(device)
                 _note_transient_bytes(call, args, kwargs, device)
@@ -314,9 +337,72 @@ def _stretch_s(run: Callable[[], None], device: torch.device, repeats: int) -> f
     return min(samples)
 
 
-def _cold_cpu_s(call: OpCall, args: tuple, kwargs: dict, repeats: int, slow: bool = False) -> float:
-    """The median of ``repeats`` single runs of ``call`` on the CPU, each on data the caches
-    no longer hold but with the code and the dispatcher's state warm, as in a training step.
+# Cold runs of several calls share each eviction of the caches (:func:`_cold_cpu_times`); the
+# calls of one round hold at most this many bytes of arguments alive meanwhile.
+COLD_GROUP_BYTES = 256 << 20
+
+
+@dataclass
+class _ColdRuns:
+    """One call's cold runs on the CPU (:func:`_cold_cpu_times`)."""
+
+    call: OpCall
+    args: tuple
+    kwargs: dict
+    # A second set of arguments it runs on just before each timed run (None: a slow call)
+    other: tuple[tuple, dict] | None
+    nbytes: int  # of both sets of arguments
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (pages faulted, seconds)
+
+    @staticmethod
+    def prepared(call: OpCall) -> _ColdRuns | None:
+        """``call`` on random arguments after a warm-up run (lazy initialisation, allocator
+        growth); None when it does not run on them."""
+        cpu = torch.device("cpu")
+        args, kwargs = _real_arguments(call, cpu)
+        try:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                call.op(*args, **kwargs)
+                slow = time.perf_counter() - t0 > SLOW_CALL_S
+                other = None if slow else _real_arguments(call, cpu)
+                if other is not None:
+                    call.op(*other[0], **other[1])
+        except Exception:  # noqa: BLE001 - any failure means: price this call by the roofline
+            return None
+        leaves = tree_leaves((args, kwargs, other))
+        nbytes = sum(x.untyped_storage().nbytes() for x in leaves if isinstance(x, torch.Tensor))
+        return _ColdRuns(call, args, kwargs, other, nbytes)
+
+    def wants_more(self, repeats: int) -> bool:
+        return not self.samples or len(self.samples) <= _repeats_after(self.samples[0][1], repeats)
+
+    def run(self, now: Callable[[], float]) -> None:
+        """A run on the other arguments, then one timed."""
+        if self.other is not None:
+            self.call.op(*self.other[0], **self.other[1])
+        faults = minor_faults()
+        t0 = now()
+        out = self.call.op(*self.args, **self.kwargs)
+        elapsed_s = now() - t0
+        self.samples.append((minor_faults() - faults, elapsed_s))
+        del out  # after the clock: unmapping a fresh output is not the call's time either
+
+    def typical_s(self) -> float:
+        # A run that faulted nothing needs no correction (glibc's threshold for mapping afresh
+        # rises as the process frees such blocks: a call's first runs may fault, its later
+        # ones not); only where every run faulted is the fault count's price taken off.
+        unfaulted = [s for faulted, s in self.samples if not faulted]
+        typical_s = statistics.median(
+            unfaulted or [s - faulted * fault_cost_s() for faulted, s in self.samples]
+        )
+        return max(0.0, typical_s - _clock_cost_s())
+
+
+def _cold_cpu_times(group: list[_ColdRuns], repeats: int) -> list[float | None]:
+    """Seconds per call of each of ``group``: the median of ``repeats`` single runs on the CPU,
+    each on data the caches no longer hold but with the code and the dispatcher's state warm,
+    as in a training step.
 
     The median, not the fastest: a step runs each call once, at whatever speed the run gets,
     and on a CPU shared with other machines' work single runs spread widely (one 2048 x 1024
@@ -342,31 +428,26 @@ def _cold_cpu_s(call: OpCall, args: tuple, kwargs: dict, repeats: int, slow: boo
     output's pages follows what the process allocated before, in a step as here (GPT-ref's
     batch-32 step: 0.1 to 6.6 GiB faulted, up to a fifth of its time, from one process to the
     next): the figure is the call's on memory the allocator reuses (README: page faults).
+
+    The runs go in rounds, each call once per round, after one eviction of the caches per
+    round: a call's data, untouched since its run in the round before, is as cold after the
+    calls before it in this round as after an eviction of its own. Evicting before every run
+    (twice the last-level cache written, 2-4 ms) took 3.4 s of GPT-ref's cold plan and most of
+    a small model's calibration, which ran microsecond calls.
     """
-    device = torch.device("cpu")
-    other = None if slow else _real_arguments(call, device)
-    if other is not None:
-        call.op(*other[0], **other[1])
-    now = clock(device)
-    samples: list[tuple[int, float]] = []  # (pages faulted, seconds)
-    while not samples or len(samples) <= _repeats_after(samples[0][1], repeats):
-        _evict_caches()
-        if other is not None:
-            call.op(*other[0], **other[1])
-        faults = minor_faults()
-        t0 = now()
-        out = call.op(*args, **kwargs)
-        elapsed_s = now() - t0
-        samples.append((minor_faults() - faults, elapsed_s))
-        del out  # after the clock: unmapping a fresh output is not the call's time either
-    # A run that faulted nothing needs no correction (glibc's threshold for mapping afresh
-    # rises as the process frees such blocks: a call's first runs may fault, its later ones
-    # not); only where every run faulted is the fault count's price taken off.
-    unfaulted = [s for faulted, s in samples if not faulted]
-    typical_s = statistics.median(
-        unfaulted or [s - faulted * fault_cost_s() for faulted, s in samples]
-    )
-    return max(0.0, typical_s - _clock_cost_s())
+    now = clock(torch.device("cpu"))
+    failed: set[int] = set()
+    with torch.no_grad():
+        while running := [
+            k for k, r in enumerate(group) if k not in failed and r.wants_more(repeats)
+        ]:
+            _evict_caches()
+            for k in running:
+                try:
+                    group[k].run(now)
+                except Exception:  # noqa: BLE001 - as a failed warm-up: priced by the roofline
+                    failed.add(k)
+    return [None if k in failed else r.typical_s() for k, r in enumerate(group)]
 
 
 def minor_faults() -> int:

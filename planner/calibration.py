@@ -58,6 +58,7 @@ from planner.passes.op_timing import (
     measure_checkpoint_overhead,
     measure_workspace_bytes,
     time_call,
+    time_each,
     workspace_bytes,
 )
 from planner.passes.step import StepTime
@@ -84,8 +85,9 @@ FORMAT = "planner-calibration"
 # over, on a CPU).
 # 7: an offload region's bookkeeping per storage it sends (``per_offloaded_storage_s``), not per
 # saving node (an H200 measured GPT's offload plans at up to twice their price).
-# 8: a CPU call's figure is its median cold run, not its fastest (``op_timing._cold_cpu_s``: on
-# a shared VM the fastest priced GPT-ref's step 18% under its time).
+# 8: a CPU call's figure is its median cold run, not its fastest
+# (``op_timing._cold_cpu_times``: on a shared VM the fastest priced GPT-ref's step 18% under
+# its time).
 VERSION = 8
 
 # How many measurements this process made, by kind ("ops": calls timed, "overheads": the
@@ -333,17 +335,16 @@ def _time_missing(
     timed: dict[str, OpCall] = {}
     for call in calls:
         text = call.key_text
-        if text in calibration.op_times_s or text in new:
+        if text in calibration.op_times_s or text in new or text in timed:
             continue
         if scaled is not None and text in scaled:
             new[text] = scaled[text]
             MEASUREMENTS["scaled"] += 1
             continue
-        new[text] = time_call(call, device)
-        MEASUREMENTS["ops"] += 1
         timed[text] = call
-    for text, call in timed.items():
-        new[text] = _checked(call, new[text], (expected or {}).get(text), device)
+    MEASUREMENTS["ops"] += len(timed)
+    for (text, call), seconds in zip(timed.items(), time_each(list(timed.values()), device)):
+        new[text] = _checked(call, seconds, (expected or {}).get(text), device)
     return new
 
 

@@ -57,3 +57,9 @@ def assert_same_step_copy(reference, model, example_input, seed: int = 0, loss_f
 
 def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def each_with(time_call: Any) -> Any:
+    """A fake ``op_timing.time_each`` (every call timed in one batch) made of a fake
+    ``time_call``, for tests that time calls by hand."""
+    return lambda calls, device, repeats=5: [time_call(c, device, repeats) for c in calls]

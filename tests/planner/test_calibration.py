@@ -27,6 +27,7 @@ from planner.passes.eager import eager_graph
 from planner.passes.op_timing import CheckpointOverhead, TensorSpec, op_call
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
+from tests.helpers import each_with
 
 CFG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=64, dropout=0.0)
 BUDGET_GB = 3e-4  # between the least (0.23 MB) and eager peak (0.37 MB) at batch 2
@@ -389,6 +390,7 @@ def test_a_sweep_times_again_a_call_priced_far_above_its_smaller_counterpart(cac
         return seconds
 
     monkeypatch.setattr(calibration, "time_call", fake_time_call)
+    monkeypatch.setattr(calibration, "time_each", each_with(fake_time_call))
 
     def make_input(batch: int):
         burst["on"] = batch == 4  # fit_batch makes each size's input just before pricing it

@@ -16,6 +16,7 @@ from planner.calibration import Calibration, CalibrationError, CalibrationTimer
 from planner.devices import profile_of_model
 from planner.passes.eager import eager_graph
 from planner.passes.op_timing import CheckpointOverhead
+from tests.helpers import each_with
 
 pytestmark = pytest.mark.filterwarnings("ignore::planner.LossFallbackWarning")
 
@@ -86,6 +87,7 @@ def test_a_sweeps_scaled_calls_have_their_workspace_measured_at_their_own_size(m
         return 4096
 
     monkeypatch.setattr(calibration, "time_call", time_call)
+    monkeypatch.setattr(calibration, "time_each", each_with(time_call))
     monkeypatch.setattr(calibration, "workspace_bytes", lambda call, device: 0)
     monkeypatch.setattr(calibration, "measure_workspace_bytes", measure_workspace_bytes)
     monkeypatch.setattr(calibration, "_per_op_corrected", lambda scaled, calls, device: scaled)
@@ -116,6 +118,9 @@ def test_the_calibration_timer_keeps_and_prices_measured_workspaces(tmp_path, mo
         calibration, "measure_checkpoint_overhead", lambda device: CheckpointOverhead()
     )
     monkeypatch.setattr(calibration, "time_call", lambda call, device, repeats=5: 1e-6)
+    monkeypatch.setattr(
+        calibration, "time_each", lambda calls, device, repeats=5: [1e-6] * len(calls)
+    )
     # what op_timing measures on CUDA, injected: every matmul-like call has 1 MB of scratch
     monkeypatch.setattr(
         calibration,
