@@ -369,14 +369,20 @@ def compare(
         plans: dict[tuple[str, int], Plan] = {}
         limit = SharedTimeLimit.starting_now(time_limit_s)
         solves_left = len(names) * len(budgets_bytes)
+        # A search's share counts the searches left alone: the quick solvers use milliseconds
+        # of theirs, and dp's first solve, which the later budgets read (solved_once), got a
+        # twenty-fourth of the limit and was cut short on a slow machine.
+        searching = {n: get_solver(n).options.searches for n in names}
+        searches_left = sum(searching.values()) * len(budgets_bytes)
         for budget_bytes in budgets_bytes:
             for name in names:
                 bar.set_description(f"{name} @ {_mib(budget_bytes)}")
                 t0 = time.perf_counter()
                 own = dict(opts.get(name, {}))
-                share_s = limit.share_s(solves_left)
+                share_s = limit.share_s(searches_left if searching[name] else solves_left)
                 own["time_limit_s"] = min(share_s, own.get("time_limit_s", share_s))
                 solves_left -= 1
+                searches_left -= searching[name]
                 try:
                     with limit.solving():
                         schedule = priced.solve(budget_bytes, name, **options.solving, **own)

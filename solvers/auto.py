@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from planner.solvers.basic import UniformOptions
 from planner.solvers.costgraph import CostGraph, Schedule
@@ -52,6 +53,8 @@ ILP_SHARE = 0.2  # of what is left when dp starts, the share dp leaves to ilp
 class AutoOptions(SolverOptions):
     """``time_limit_s`` for the whole call; one field per solver auto runs, with its options
     (their own time limits are capped by what is left when they start)."""
+
+    searches: ClassVar[bool] = True
 
     time_limit_s: float = AUTO_TIME_LIMIT_S
     none: SolverOptions = SolverOptions()

@@ -93,6 +93,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import ClassVar
 
 import numpy as np
 
@@ -169,6 +170,8 @@ class DPOptions(SolverOptions):
     searches regions whose boundaries are stage boundaries (None: never); a region then spans
     up to ``staged_span`` stages (if less than ``max_span``). ``first_stages``: the coarsest
     level's stages (:func:`stage_levels`)."""
+
+    searches: ClassVar[bool] = True
 
     max_span: int | None = DEFAULT_SPAN
     coarse_cuts: int | None = None

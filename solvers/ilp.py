@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -475,6 +476,8 @@ class ILPOptions(SolverOptions):
     dp's). ``warm``: start from dp's schedule. ``offload``: each candidate may also be an
     offload region (None: when the graph's device has a host link, ``CostGraph.host_link``, as
     dp's)."""
+
+    searches: ClassVar[bool] = True
 
     time_limit_s: float = 10.0
     milp_time_limit_s: float | None = None

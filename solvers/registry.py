@@ -15,7 +15,7 @@ import importlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from planner.solvers.costgraph import (
     CostGraph,
@@ -47,6 +47,10 @@ class SolverOptions:
     has (:func:`planner.solvers.ilp.solve_highs`)."""
 
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    # Whether the solver searches for as long as its limit lets it (dp, ilp, auto): a limit
+    # shared among solves goes to these (``SharedTimeLimit``); the others answer in
+    # milliseconds whatever their limit.
+    searches: ClassVar[bool] = False
 
     def deadline(self) -> float:
         """The ``time.process_time()`` value by which the solver must have answered: every
@@ -57,7 +61,9 @@ class SolverOptions:
 class SharedTimeLimit:
     """One time limit shared by several solves (the capped objective's, ``compare``'s,
     ``fit_batch``'s), instead of each taking the whole limit: each solve gets an equal share
-    of the time left, so time a solve did not use goes to the ones after it. Only the solves
+    of the time left, so time a solve did not use goes to the ones after it; where searching
+    solvers share it with quick ones (``compare``), a search's share counts only the searches
+    left (``SolverOptions.searches``). Only the solves
     (run inside :meth:`solving`) spend it, not the pricing or measuring between them, and
     they spend the CPU time this process gave them, not the wall clock's: other jobs on the
     machine stretch a solve's wall time, not its work, and must not leave the solves after it

@@ -49,3 +49,43 @@ def test_the_capped_objective_gives_its_solves_shares_of_one_limit(monkeypatch):
     # each solve may take at most an equal share of what is left of the one limit
     solves = 2 + registry.CAP_SEARCH_STEPS
     assert all(t <= 5.0 / (solves - k) + 1e-9 for k, t in enumerate(limits))
+
+
+def test_compare_gives_a_searchs_share_of_the_searches_left(monkeypatch):
+    """compare() shares one limit among its solves: a searching solver's (dp's, ilp's) share
+    counts only the searches left, so the quick solvers' rows do not thin it (dp's first solve,
+    which the later budgets read, got a twenty-fourth of the limit and was cut short)."""
+    import torch
+
+    from planner.comparison import compare
+
+    limits: dict[tuple[str, float], float] = {}
+    for name in ("uniform", "greedy", "dp", "ilp"):
+        solver = registry.get_solver(name)
+
+        def spy(g, b, options=None, _solver=solver, _name=name, **opts):
+            limits[(_name, b)] = opts["time_limit_s"]
+            return _solver(g, b, options, **opts)
+
+        spy.options = solver.options
+        monkeypatch.setitem(registry.SOLVERS, name, spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6))
+    )
+    x = torch.randn(32, 64)
+    c = compare(
+        model,
+        x,
+        solvers=["uniform", "greedy", "dp", "ilp"],
+        budget_fractions=[0.7, 0.5],
+        time_limit_s=40.0,
+        form="graph",
+        device="cpu",
+    )
+    first = c.rows[0].budget_bytes
+    assert limits[("uniform", first)] == pytest.approx(40.0 / 8)  # every solve left
+    # dp's first solve: a fourth (dp and ilp at two budgets), less what uniform and greedy used
+    assert 40.0 / 4 - 0.5 < limits[("dp", first)] <= 40.0 / 4
+    assert registry.get_solver("dp").options.searches
+    assert not registry.get_solver("greedy").options.searches
