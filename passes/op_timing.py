@@ -289,10 +289,9 @@ def _real_arguments(call: OpCall, device: torch.device) -> tuple[Any, Any]:
     return tree_unflatten(leaves, call.spec)
 
 
-def _time_call(call: OpCall, device: torch.device, repeats: int, hot: bool = False) -> float | None:
-    """Back to back (on the CPU: ``hot``, its data left in the caches; cold: :func:`time_each`)."""
-    if device.type == "cpu" and not hot:
-        return time_each([call], device, repeats)[0]
+def _time_call(call: OpCall, device: torch.device, repeats: int) -> float | None:
+    """Back to back: on an accelerator, or on the CPU with its data left in the caches (a CPU
+    call timed cold: :func:`time_each`)."""
     args, kwargs = _real_arguments(call, device)
     try:
         with torch.no_grad():
@@ -844,7 +843,7 @@ def measure_call_overhead_s(device: torch.device, blocks: int = 16, repeats: int
     for c in recorder.calls:
         if c is not None and c.key not in alone:
             # back to back, as the chain's tiny tensors stay in the caches through its step
-            alone[c.key] = _time_call(c, device, 5, hot=True)
+            alone[c.key] = _time_call(c, device, 5)
     alone_s = [alone.get(c.key) or 0.0 if c is not None else 0.0 for c in recorder.calls]
     if host_overlaps(device):
         return host_floor_s(alone_s, step_s)

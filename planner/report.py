@@ -227,9 +227,6 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     costs = region_costs(plan)
     freed_bytes = sum(c.freed_bytes for c in costs)
     unit = 1e9 if sim.recompute_flops >= 1e9 else 1e6  # tiny models stay legible
-    # what simulate adds for each region's own bookkeeping (CostGraph.region_overhead_time_s)
-    added_s = sim.step_time_s - graph.step_time_s
-    bookkeeping_s = added_s - sim.recompute_time_s - sim.offload_time_s
     lines = [
         f"planner: solver {plan.solver!r}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_bytes / 1e9:.3f} GB)",
@@ -241,7 +238,11 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         f"predicted step time {format_ms(sim.step_time_s)}: forward+backward "
         f"{format_ms(graph.step_time_s)} + recompute {format_ms(sim.recompute_time_s)}"
         + (f" + offload {format_ms(sim.offload_time_s)}" if sim.offload_bytes else "")
-        + (f" + checkpoint bookkeeping {format_ms(bookkeeping_s)}" if bookkeeping_s > 1e-9 else "")
+        + (
+            f" + checkpoint bookkeeping {format_ms(sim.overhead_time_s)}"
+            if sim.overhead_time_s
+            else ""
+        )
         + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
     if plan.compiled_margin:  # plan(..., compiled=True): planner/compiled.py

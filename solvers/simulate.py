@@ -137,8 +137,9 @@ class Simulation:
     # Bytes each offload region sent to host (Rule 7), in schedule order.
     offloaded: tuple[tuple[Region, int], ...] = ()
     # Forward + backward (CostGraph.step_time_s) + recompute + exposed offload transfers,
-    # + each region's own bookkeeping (CostGraph.region_overhead_time_s).
+    # + each region's own bookkeeping (CostGraph.region_overhead_time_s): ``overhead_time_s``.
     step_time_s: float = 0.0
+    overhead_time_s: float = 0.0
 
 
 class InvalidScheduleError(ValueError):
@@ -795,6 +796,7 @@ def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
     transfer_s = sum(
         offload_time_s(graph, r.start, r.stop, size) for r, size in replay.offloaded.items()
     )
+    overhead_s = sum(graph.region_overhead_time_s(r) for r in schedule.regions)
     return Simulation(
         peak_bytes=replay.peak_bytes,
         peak_event=replay.peak_event,
@@ -804,8 +806,6 @@ def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:
         offload_time_s=transfer_s,
         offloaded=tuple(replay.offloaded.items()),
         timeline=tuple(replay.timeline),
-        step_time_s=graph.step_time_s
-        + replay.recompute_time_s
-        + transfer_s
-        + sum(graph.region_overhead_time_s(r) for r in schedule.regions),
+        step_time_s=graph.step_time_s + replay.recompute_time_s + transfer_s + overhead_s,
+        overhead_time_s=overhead_s,
     )

@@ -117,10 +117,12 @@ def test_the_calibration_timer_keeps_and_prices_measured_workspaces(tmp_path, mo
     monkeypatch.setattr(
         calibration, "measure_checkpoint_overhead", lambda device: CheckpointOverhead()
     )
-    monkeypatch.setattr(calibration, "time_call", lambda call, device, repeats=5: 1e-6)
-    monkeypatch.setattr(
-        calibration, "time_each", lambda calls, device, repeats=5: [1e-6] * len(calls)
-    )
+
+    def time_call(call, device, repeats=5):
+        return 1e-6
+
+    monkeypatch.setattr(calibration, "time_call", time_call)
+    monkeypatch.setattr(calibration, "time_each", each_with(time_call))
     # what op_timing measures on CUDA, injected: every matmul-like call has 1 MB of scratch
     monkeypatch.setattr(
         calibration,
