@@ -140,15 +140,18 @@ def test_the_estimate_charges_every_large_block_the_step_allocates():
     assert graph.meta["page_faults"].startswith(f"{graph.step_time_s:.3g} s of forward+backward")
 
 
-def test_a_plan_says_when_page_faults_are_a_share_of_its_step(monkeypatch):
+def test_a_plan_says_when_page_faults_are_a_share_of_its_step(monkeypatch, tmp_path):
     """The same plan priced with blocks of 1 MiB mapped afresh: a slower step, and a summary
     line that says why and how to avoid it; with none mapped afresh, neither."""
     monkeypatch.setenv("PLANNER_CACHE", "0")
     monkeypatch.setattr(calibration, "SMALL_STEP_S", 0.0)  # priced from its calls, not fitted
     # A page at 40 us (this machine: 1.6 us), so that the faults pass the summary's share
     # however long the ops took: at the measured cost they sat at its edge, 5% of the step, and
-    # a busy CI worker's slower ops took them under it.
-    pinned = dataclasses.replace(calibration.current(), fresh_mapping_s_per_byte=1e-8)
+    # a busy CI worker's slower ops took them under it. A pinned file: the second plan prices
+    # the first's op times, so the two steps differ by the faults alone (timed twice, a burst
+    # of load on CI once made the first 0.19 s and the second 0.13 s).
+    pinned = tmp_path / "calibration.json"
+    dataclasses.replace(calibration.current(), fresh_mapping_s_per_byte=1e-8).save(pinned)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.Tanh())
     x = torch.randn(384, 512)
