@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions, RenderResult
     from rich.table import Table
 # Cheap, well-known policies first, then the optimising solvers; unknown ones follow by name.
-PREFERRED_ORDER = ("none", "uniform", "sqrt", "revolve", "selective", "greedy", "dp", "ilp")
+PREFERRED_ORDER = ("none", "uniform", "sqrt", "revolve", "selective", "sac", "greedy", "dp", "ilp")
 DEFAULT_BUDGET_FRACTIONS = (0.8, 0.6, 0.4, 0.2)  # of the predicted eager peak
 # What a console too narrow for the whole table shows (Comparison.__rich_console__)
 NARROW_COLUMNS = ("solver", "budget", "feasible", "predicted peak", "predicted step")

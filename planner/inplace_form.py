@@ -41,7 +41,19 @@ from planner.solvers.simulate import simulate
 from planner.target import FormTarget
 
 FORM = "inplace"
-SPAN_SOLVERS = ("auto", "dp", "ilp", "none")  # the solvers that keep to CostGraph.region_spans
+# every solver keeps to CostGraph.region_spans (the classic ones by way of solvers/blocks.py)
+SPAN_SOLVERS = (
+    "auto",
+    "dp",
+    "ilp",
+    "none",
+    "uniform",
+    "sqrt",
+    "greedy",
+    "revolve",
+    "selective",
+    "sac",
+)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from planner.solvers.blocks import grouped, require_blocks, split_note
 from planner.solvers.common import finish, segments_to_regions
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
@@ -33,8 +34,17 @@ def solve_uniform(graph: CostGraph, budget_bytes: float, options: UniformOptions
     Blocks are the graph's repeated modules (``blocks.3``); without them, the graph is split
     into segments at cheap cuts. ``n_segments`` asks for that many regions instead of ``k``.
     Nodes before the first and after the last block (embedding, head, loss) stay as they are.
+    In place the blocks are the model's repeated module calls (``solvers/blocks.py``).
     """
     k, n_segments = options.k, options.n_segments
+    if graph.region_spans is not None:
+        blocks = require_blocks(graph, "uniform")
+        if n_segments is not None:
+            k = math.ceil(len(blocks) / max(1, n_segments))
+        k = max(1, k or 1)
+        regions, split = grouped(graph, blocks, k)
+        note = f"{len(blocks)} blocks, {k} per region{split_note(split, k)}"
+        return finish(graph, budget_bytes, regions, "uniform", note)
     spans = block_spans(graph)
     if spans:
         bounds = [spans[0][0]] + [stop for _, stop in spans]
@@ -51,8 +61,15 @@ def solve_sqrt(graph: CostGraph, budget_bytes: float, options: SolverOptions) ->
     """Chen et al. 2016: about sqrt(N) regions of about sqrt(N) units each.
 
     Units are the repeated blocks when there are any (so a region never splits a block),
-    otherwise nodes, split at the cheapest cuts near even spacing.
+    otherwise nodes, split at the cheapest cuts near even spacing. In place, the model's
+    repeated module calls (``solvers/blocks.py``), grouped as ``uniform`` groups them.
     """
+    if graph.region_spans is not None:
+        blocks = require_blocks(graph, "sqrt")
+        k = max(1, round(math.sqrt(len(blocks))))
+        regions, split = grouped(graph, blocks, k)
+        note = f"{len(blocks)} blocks, {k} per segment{split_note(split, k)}"
+        return finish(graph, budget_bytes, regions, "sqrt", note)
     spans = block_spans(graph)
     if len(spans) >= 2:
         bounds = [spans[0][0]] + [stop for _, stop in spans]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from planner.solvers.blocks import Block, group_regions, require_blocks
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, crossing_bytes
@@ -55,6 +56,19 @@ def segments(graph: CostGraph, threshold_bytes: float, cuts: list[int]) -> list[
     return regions  # the last segment [start, n) stays unchecked
 
 
+def block_segments(graph: CostGraph, threshold_bytes: float, blocks: list[Block]) -> list[Region]:
+    """``segments`` in place: runs of whole blocks, each wrapped as ``group_regions`` can."""
+    kept = kept_bytes(graph)
+    regions: list[Region] = []
+    first, running = 0, 0
+    for j, block in enumerate(blocks):
+        running += sum(kept[block.start : block.stop])
+        if running >= threshold_bytes:
+            regions += group_regions(graph, blocks[first : j + 1])
+            first, running = j + 1, 0
+    return regions  # the last run of blocks stays unchecked
+
+
 @dataclass(frozen=True)
 class GreedyOptions(SolverOptions):
     """``n_thresholds``: how many segment thresholds are tried."""
@@ -71,7 +85,17 @@ def solve_greedy(graph: CostGraph, budget_bytes: float, options: GreedyOptions) 
     deadline = options.deadline()
     kept = [b for b in kept_bytes(graph) if b > 0] or [1]
     lo, hi = min(kept), sum(kept)
-    cuts = seams(graph)
+    if graph.region_spans is not None:  # in place: segments of whole blocks
+        blocks = require_blocks(graph, "greedy")
+
+        def make(threshold: float) -> list[Region]:
+            return block_segments(graph, threshold, blocks)
+    else:
+        cuts = seams(graph)
+
+        def make(threshold: float) -> list[Region]:
+            return segments(graph, threshold, cuts)
+
     best: tuple[float, int, tuple[Region, ...]] | None = None
     least = None
     seen = set()
@@ -81,7 +105,7 @@ def solve_greedy(graph: CostGraph, budget_bytes: float, options: GreedyOptions) 
             break
         tried += 1
         threshold = lo * (hi / lo) ** (k / n_thresholds)
-        regions = tuple(segments(graph, threshold, cuts))
+        regions = tuple(make(threshold))
         if regions in seen:
             continue
         seen.add(regions)

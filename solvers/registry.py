@@ -128,6 +128,7 @@ _MODULES = (
     "planner.solvers.greedy",
     "planner.solvers.revolve",
     "planner.solvers.selective",
+    "planner.solvers.sac",
     "planner.solvers.dp",
     "planner.solvers.ilp",
     "planner.solvers.auto",

@@ -7,7 +7,8 @@ regions, region j being beta(s - j, t - 1) units long. In backward the last regi
 first while the inputs of the others are held, so region j has s - j snapshots left; inside it
 (one sweep used up by its recomputation) the same partition repeats one level deeper.
 
-Units are the graph's repeated blocks cut in two, else segments at cheap cuts. Every s (t the
+Units are the graph's repeated blocks cut in two, else segments at cheap cuts; in place, the
+model's repeated module calls whole (``solvers/blocks.py``). Every s (t the
 least with beta(s, t) >= the number of units) is scored by ``simulate`` and the cheapest
 schedule within budget wins: few snapshots mean deep nesting, less memory, more recomputation.
 """
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 from math import comb
 
+from planner.solvers.blocks import nest_depths, require_blocks
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
@@ -82,6 +84,22 @@ def units(graph: CostGraph) -> list[int]:
     return even_cuts(graph, 16)
 
 
+def inplace_nested(graph: CostGraph, s: int, t: int) -> tuple[Region, ...]:
+    """``nested`` over the model's blocks in place (``solvers/blocks.py``): a segment of
+    several blocks that is no span (an HF decoder's ModuleList, without a span of its parent's
+    forward over them) is left out, its inner segments kept, so every region is one the plan
+    can carry out and the rest still nest."""
+    blocks = require_blocks(graph, "revolve")
+    spans = graph.region_spans or frozenset()
+    made = nested(list(range(len(blocks) + 1)), s, t)
+    kept = [
+        Region(blocks[r.start].start, blocks[r.stop - 1].stop)
+        for r in made
+        if (blocks[r.start].start, blocks[r.stop - 1].stop) in spans
+    ]
+    return tuple(nest_depths(kept))
+
+
 @dataclass(frozen=True)
 class RevolveOptions(SolverOptions):
     """``snapshots``: the one snapshot count to use (None: try every count)."""
@@ -94,8 +112,9 @@ def solve_revolve(graph: CostGraph, budget_bytes: float, options: RevolveOptions
     """The cheapest binomial schedule within budget over the snapshot counts (or the given).
     Anytime: past the time limit it answers with the best count tried so far."""
     snapshots, deadline = options.snapshots, options.deadline()
-    bounds = units(graph)
-    n_units = len(bounds) - 1
+    inplace = graph.region_spans is not None
+    bounds = [] if inplace else units(graph)
+    n_units = len(require_blocks(graph, "revolve")) if inplace else len(bounds) - 1
     counts = [snapshots] if snapshots else range(1, max(1, n_units) + 1)
     best, least, cut_short = None, None, False
     for s in counts:
@@ -103,7 +122,7 @@ def solve_revolve(graph: CostGraph, budget_bytes: float, options: RevolveOptions
             cut_short = True
             break
         t, s_max = least_sweeps(s, n_units), s
-        regions = tuple(nested(bounds, s, t))
+        regions = inplace_nested(graph, s, t) if inplace else tuple(nested(bounds, s, t))
         if not regions:
             continue
         sim = simulate(graph, Schedule(regions))

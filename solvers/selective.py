@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.solvers.blocks import require_blocks
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Node, Region, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
@@ -53,25 +54,46 @@ class SelectiveOptions(SolverOptions):
     n_segments: int | None = None
 
 
-@register("selective", options=SelectiveOptions)
-def solve_selective(graph: CostGraph, budget_bytes: float, options: SelectiveOptions) -> Schedule:
-    """One selective region per block (or per cheap-cut segment when there are no blocks)."""
-    n_segments = options.n_segments
+def block_bounds(graph: CostGraph, n_segments: int | None) -> list[tuple[int, int]]:
+    """The [start, stop) of each selective region: per block, else per cheap-cut segment; in
+    place, per repeated module call (``solvers/blocks.py``)."""
+    if graph.region_spans is not None:
+        if n_segments is not None:
+            raise ValueError(
+                "selective's n_segments places regions at cheap cuts, which a plan applied in "
+                "place cannot wrap; in place it makes one region per block (leave it unset)"
+            )
+        return [(b.start, b.stop) for b in require_blocks(graph, "selective")]
     spans = block_spans(graph)
     if spans and n_segments is None:
         bounds = [spans[0][0]] + [stop for _, stop in spans]
     else:
         bounds = even_cuts(graph, n_segments or 4)
-    produced = out_bytes(graph)
-    regions = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        keep = frozenset(i for i in range(lo, hi) if worth_keeping(graph, i, produced))
-        regions.append(Region(lo, hi, kind="selective", saved_nodes=keep))
-    n_kept = sum(len(r.saved_nodes) for r in regions)
+    return list(zip(bounds, bounds[1:]))
+
+
+def finish_selective(
+    graph: CostGraph, budget_bytes: float, regions: list[Region], solver: str, note: str
+) -> Schedule:
+    """``finish``, or the eager step where the regions do not fit and it does: on tiny models
+    the regions' inputs can outweigh what they drop."""
     try:
-        return finish(graph, budget_bytes, regions, "selective", f"{n_kept} matmul outputs kept")
+        return finish(graph, budget_bytes, regions, solver, note)
     except InfeasibleBudgetError:
         if simulate(graph, Schedule()).peak_bytes > budget_bytes:
             raise
-        # On tiny models the regions' inputs can outweigh what they drop: the eager step fits.
-        return finish(graph, budget_bytes, [], "selective", "the eager step fits; regions did not")
+        return finish(graph, budget_bytes, [], solver, "the eager step fits; regions did not")
+
+
+@register("selective", options=SelectiveOptions)
+def solve_selective(graph: CostGraph, budget_bytes: float, options: SelectiveOptions) -> Schedule:
+    """One selective region per block (``block_bounds``) keeping what ``worth_keeping``."""
+    produced = out_bytes(graph)
+    regions = []
+    for lo, hi in block_bounds(graph, options.n_segments):
+        keep = frozenset(i for i in range(lo, hi) if worth_keeping(graph, i, produced))
+        regions.append(Region(lo, hi, kind="selective", saved_nodes=keep))
+    n_kept = sum(len(r.saved_nodes) for r in regions)
+    return finish_selective(
+        graph, budget_bytes, regions, "selective", f"{n_kept} matmul outputs kept"
+    )
