@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from planner.anchors import anchor, check_anchors, default_anchors, hf_enabled
 from planner.calibration import Calibration
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig
@@ -38,7 +39,7 @@ from planner.report import (
     plain_text,
     quantity_label,
 )
-from planner.solvers.costgraph import Objective
+from planner.solvers.costgraph import CostGraph, Objective
 from planner.solvers.errors import InfeasibleBudgetError, PlannerError
 from planner.solvers.registry import (
     DEFAULT_TIME_LIMIT_S,
@@ -289,6 +290,7 @@ def compare(
     calibration: Calibration | str | Path | None = None,
     compiled: bool = False,
     autocast: torch.dtype | None = None,
+    anchors: Sequence[str] | None = None,
 ) -> Comparison:
     """Run every solver at every budget on one pricing of ``model``; one row each.
 
@@ -309,8 +311,16 @@ def compare(
     ``time_limit_s``: one limit for all the solves together, each taking an equal share of what
     is left (a solver's own ``time_limit_s`` in ``solver_opts`` caps its share further).
     ``calibration``, ``compiled``, ``autocast``: as for ``planner.plan``.
+    ``anchors``: rows for what a user does by hand (``planner/anchors.py``): ``"every-block"``
+    (torch.utils.checkpoint on every repeated block) and ``"hf"`` (Hugging Face's own
+    checkpointing of each layer, in place), priced on the same CostGraph and, with ``measure``,
+    run for real (``"hf"`` with Hugging Face's checkpointing itself on). Default: both where the
+    model has them (``"hf"``: a Hugging Face model, in place); ``()`` for none.
     """
     names = list(solvers) if solvers is not None else solver_names(form)
+    explicit_anchors = anchors is not None
+    anchor_names = tuple(anchors) if explicit_anchors else default_anchors(model, form)
+    check_anchors(anchor_names, form)
     # unknown names, options and solvers that do not suit the form fail before the work
     options = PlanOptions.of(locals()).checked(names)
     if fsdp is not None and measure:
@@ -338,7 +348,7 @@ def compare(
 
     n_budgets = len(budgets_gb) if budgets_gb is not None else len(fractions)
     bar = tqdm(
-        total=2 + len(names) * n_budgets,
+        total=2 + (len(names) + len(anchor_names)) * n_budgets,
         disable=not progress,
         delay=0.5,
         unit="step",
@@ -367,6 +377,7 @@ def compare(
 
         rows: list[Row] = []
         plans: dict[tuple[str, int], Plan] = {}
+        runs = _Runs(model, example_input, loss_fn, repeats)
         limit = SharedTimeLimit.starting_now(time_limit_s)
         solves_left = len(names) * len(budgets_bytes)
         # A search's share counts the searches left alone: the quick solvers use milliseconds
@@ -407,28 +418,35 @@ def compare(
                 p = priced.build_solved(schedule, budget_bytes, solve_time_s, options.compiled)
                 measured = None
                 if eager is not None:
-                    measured = measure_plan(p, model, example_input, loss_fn, repeats)
-                rows.append(
-                    Row(
-                        solver=name,
-                        budget_bytes=budget_bytes,
-                        feasible=p.predicted_peak_bytes <= budget_bytes,
-                        predicted_peak_bytes=p.predicted_peak_bytes,
-                        measured_peak_bytes=None if measured is None else measured.peak_bytes,
-                        recompute_flops_pct=100 * p.predicted_recompute_flops / step_flops,
-                        recompute_time_s=p.predicted_recompute_time_s,
-                        step_time_ratio=None
-                        if measured is None
-                        else measured.step_time_s / max(eager.step_time_s, 1e-12),
-                        solve_time_s=p.solve_time_s,
-                        note="" if name == p.solver else f"chose {p.solver}",
-                        predicted_step_time_s=p.predicted_step_time_s,
-                        measured_step_time_s=None if measured is None else measured.step_time_s,
-                        offload_bytes=0 if p.simulation is None else p.simulation.offload_bytes,
-                        other_predictions=p.predictions.others(),
-                        added_time_s=p.predicted_step_time_s - priced.graph.step_time_s,
-                    )
-                )
+                    measured = runs.measure(p)
+                rows.append(_row(name, p, budget_bytes, measured, eager, priced.graph))
+                plans[(name, budget_bytes)] = p
+                bar.update()
+        for name in anchor_names:
+            bar.set_description(name)
+            t0 = time.perf_counter()
+            try:
+                made = anchor(name, priced, model)
+            except PlannerError as e:  # no repeated blocks; a layer HF wraps is no region
+                if explicit_anchors:
+                    raise
+                note = str(e).splitlines()[0]
+                for budget_bytes in budgets_bytes:
+                    rows.append(_infeasible(name, budget_bytes, 0.0, note=note))
+                bar.update(len(budgets_bytes))
+                continue
+            solve_time_s = time.perf_counter() - t0
+            for budget_bytes in budgets_bytes:
+                p = priced.build_solved(made.schedule, budget_bytes, solve_time_s, False)
+                if p.predicted_peak_bytes > budget_bytes:
+                    least = p.predicted_peak_bytes
+                    rows.append(_infeasible(name, budget_bytes, solve_time_s, least=least))
+                    bar.update()
+                    continue
+                measured = None
+                if eager is not None:
+                    measured = runs.measure_hf(p) if made.hf else runs.measure(p)
+                rows.append(_row(name, p, budget_bytes, measured, eager, priced.graph))
                 plans[(name, budget_bytes)] = p
                 bar.update()
     finally:
@@ -461,6 +479,66 @@ def measure_plan(
         return measure_step(model, example_input, loss_fn, repeats=repeats)
     finally:
         remove(model)
+
+
+def _row(
+    name: str,
+    p: Plan,
+    budget_bytes: int,
+    measured: Measurement | None,
+    eager: Measurement | None,
+    graph: CostGraph,
+) -> Row:
+    """The row of a plan ``p`` solver (or anchor) ``name`` made for ``budget_bytes``."""
+    return Row(
+        solver=name,
+        budget_bytes=budget_bytes,
+        feasible=p.predicted_peak_bytes <= budget_bytes,
+        predicted_peak_bytes=p.predicted_peak_bytes,
+        measured_peak_bytes=None if measured is None else measured.peak_bytes,
+        recompute_flops_pct=100 * p.predicted_recompute_flops / max(graph.step_flops, 1),
+        recompute_time_s=p.predicted_recompute_time_s,
+        step_time_ratio=None
+        if measured is None or eager is None
+        else measured.step_time_s / max(eager.step_time_s, 1e-12),
+        solve_time_s=p.solve_time_s,
+        note="" if name == p.solver else f"chose {p.solver}",
+        predicted_step_time_s=p.predicted_step_time_s,
+        measured_step_time_s=None if measured is None else measured.step_time_s,
+        offload_bytes=0 if p.simulation is None else p.simulation.offload_bytes,
+        other_predictions=p.predictions.others(),
+        added_time_s=p.predicted_step_time_s - graph.step_time_s,
+    )
+
+
+class _Runs:
+    """Measured steps of the rows' plans, each distinct plan run once: the fixed policies
+    (uniform, sqrt, the anchors) make the same plan at every budget they fit."""
+
+    def __init__(
+        self, model: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, repeats: int
+    ) -> None:
+        self.model, self.example_input = model, example_input
+        self.loss_fn, self.repeats = loss_fn, repeats
+        self.done: dict[Any, Measurement] = {}
+
+    def measure(self, p: Plan) -> Measurement:
+        key = ("plan", p.form, p.regions)
+        if key not in self.done:
+            self.done[key] = measure_plan(
+                p, self.model, self.example_input, self.loss_fn, self.repeats
+            )
+        return self.done[key]
+
+    def measure_hf(self, p: Plan) -> Measurement:
+        """A step with Hugging Face's own checkpointing on (the ``hf`` anchor's regions)."""
+        key = ("hf", p.regions)
+        if key not in self.done:
+            with hf_enabled(self.model):
+                self.done[key] = measure_step(
+                    self.model, self.example_input, self.loss_fn, repeats=self.repeats
+                )
+        return self.done[key]
 
 
 def _infeasible(
