@@ -78,6 +78,32 @@ def bert_example(seed: int = 0):
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
+def vit_example(seed: int = 0):
+    """Hugging Face ViT image classifier (2 layers, d 32, 16x16 images in 4x4 patches)."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    cfg = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=3,
+    )
+    model = ViTForImageClassification(cfg).train()
+    return model, {"pixel_values": torch.randn(4, 3, 16, 16), "labels": torch.randint(0, 3, (4,))}
+
+
+def resnet_example(seed: int = 0):
+    """benchmarks' residual CNN (a stem, an nn.Sequential of 4 ResNet basic blocks with
+    BatchNorm, a head), 8 channels, 16x16 images."""
+    from benchmarks.models import residual_cnn_example
+
+    return residual_cnn_example(batch=2, size=16, seed=seed, channels=8, n_blocks=4)
+
+
 def small_unet_example(seed: int = 0):
     """benchmarks' U-Net (long encoder->decoder skips, BatchNorm), 2 levels, 32x32 images."""
     return unet_example(batch=2, size=32, seed=seed, channels=4, depth=2)
@@ -179,6 +205,17 @@ MODELS = {
     "tagged": tagged_example,
 }
 SLOW = frozenset({"gpt2", "llama", "bert"})  # Hugging Face models: marked slow
+# Models with repeated blocks, one of each kind the block strategies (uniform, sqrt, revolve,
+# selective, sac) are checked on in place: Hugging Face decoders, an encoder, a ViT, a U-Net,
+# a ResNet
+BLOCK_MODELS = {
+    "llama": llama_example,
+    "gpt2": gpt2_example,
+    "bert": bert_example,
+    "vit": vit_example,
+    "unet": small_unet_example,
+    "resnet": resnet_example,
+}
 
 
 class DataDependentNet(nn.Module):
