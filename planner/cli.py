@@ -547,6 +547,20 @@ def check_solvers(form: str, names: Sequence[str]) -> None:
         )
 
 
+def anchor_names(text: str | None, form: str) -> tuple[str, ...] | None:
+    """--anchors as compare's ``anchors`` (None: its default); unknown names a usage error."""
+    from planner.anchors import check_anchors
+
+    if text is None:
+        return None
+    names = tuple(a.strip() for a in text.split(",") if a.strip() and a.strip() != "none")
+    try:
+        check_anchors(names, form)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return names
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.comparison import compare, solver_names
 
@@ -565,6 +579,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     placement(args.device)  # a device that is neither fails before the model is built
     options = plan_options(args)
     options.checked(names)  # before the model is built
+    anchors = anchor_names(args.anchors, args.form)
     model, example_input = build_example(args)
     c = compare(
         model,
@@ -575,6 +590,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         budget_fractions=fractions,
         solver_opts=opts,
         progress=not args.quiet,
+        anchors=anchors,
         **options.keywords(),
     )
     out = _console()
@@ -885,6 +901,12 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_arguments(cmp, "--solvers")
     cmp.add_argument(
         "--measure", action="store_true", help="run each plan for real: measured peak, step time"
+    )
+    cmp.add_argument(
+        "--anchors",
+        help="comma-separated rows of what you would do by hand: every-block (checkpoint every "
+        "repeated block), hf (Hugging Face's own checkpointing, in place); 'none' for neither "
+        "(default: those the model has)",
     )
     cmp.add_argument("--markdown", metavar="MD", help="also write the table as markdown here")
     cmp.add_argument("--plot", metavar="PNG", help="save the memory/recompute Pareto plot here")

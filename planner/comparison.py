@@ -314,12 +314,16 @@ def compare(
     ``anchors``: rows for what a user does by hand (``planner/anchors.py``): ``"every-block"``
     (torch.utils.checkpoint on every repeated block) and ``"hf"`` (Hugging Face's own
     checkpointing of each layer, in place), priced on the same CostGraph and, with ``measure``,
-    run for real (``"hf"`` with Hugging Face's checkpointing itself on). Default: both where the
-    model has them (``"hf"``: a Hugging Face model, in place); ``()`` for none.
+    run for real (``"hf"`` with Hugging Face's checkpointing itself on). Default: with the
+    default ``solvers``, both where the model has them (``"hf"``: a Hugging Face model, in
+    place); with named ``solvers``, none. ``()`` for none.
     """
     names = list(solvers) if solvers is not None else solver_names(form)
     explicit_anchors = anchors is not None
-    anchor_names = tuple(anchors) if explicit_anchors else default_anchors(model, form)
+    if explicit_anchors:
+        anchor_names = tuple(anchors)  # type: ignore[arg-type]
+    else:  # named solvers are what was asked for; the default list has the anchors beside it
+        anchor_names = default_anchors(model, form) if solvers is None else ()
     check_anchors(anchor_names, form)
     # unknown names, options and solvers that do not suit the form fail before the work
     options = PlanOptions.of(locals()).checked(names)

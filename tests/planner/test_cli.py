@@ -498,7 +498,7 @@ def test_bad_models_and_options_exit_2_with_one_line(model, extra, message, tmp_
 
 
 def test_compare_is_in_place_by_default_and_takes_plans_options(tmp_path, capsys, monkeypatch):
-    from planner.comparison import compare
+    from planner.comparison import compare, solver_names
 
     md = tmp_path / "table.md"
     argv = ["compare", GPT, "--budgets", "100%,85%", "--device", "h100", "-q"]
@@ -510,7 +510,8 @@ def test_compare_is_in_place_by_default_and_takes_plans_options(tmp_path, capsys
     model, x = gpt_ref_small_example()
     api = compare(model, x, budget_fractions=[1.0, 0.85], device="h100", objective="flops")
     assert [r[0].removeprefix("| ") for r in rows] == [r.solver for r in api.ranked()]
-    assert {r.solver for r in api.rows} == {"none", "dp", "ilp"}
+    # every solver in place, and checkpointing every block beside them
+    assert {r.solver for r in api.rows} == {*solver_names("inplace"), "every-block"}
     for cells, r in zip(rows, api.ranked()):
         assert cells[1] == format_bytes(r.budget_bytes)
         if r.feasible:
@@ -530,10 +531,12 @@ def test_compare_is_in_place_by_default_and_takes_plans_options(tmp_path, capsys
     assert seen["max_recompute_flops_fraction"] == 0.005 and seen["objective"] == "flops"
     assert seen["form"] == "graph" and seen["device"] == "h100"
     monkeypatch.undo()
-    # options for a solver not compared, and a graph-only solver in place, are refused
+    # options for a solver not compared, an unknown anchor, and Hugging Face's own
+    # checkpointing of a graph are refused
     for bad, message in [
-        (["--solver-opts", '{"greedy": {}}'], "maps a compared solver's name"),
-        (["--solvers", "uniform"], "add --form graph"),
+        (["--solvers", "dp", "--solver-opts", '{"greedy": {}}'], "maps a compared solver's name"),
+        (["--anchors", "every-layer"], "unknown anchor(s) 'every-layer'"),
+        (["--anchors", "hf", "--form", "graph"], "compare it with form='inplace'"),
     ]:
         with pytest.raises(SystemExit) as info:
             main([*argv, *bad])

@@ -383,7 +383,14 @@ def compared_in_place():
 
     model, example_input = gpt_ref_small_example()
     c = compare_module.compare(
-        model, example_input, budget_fractions=[1.0, 0.85], measure=True, repeats=1, device="h100"
+        model,
+        example_input,
+        budget_fractions=[1.0, 0.85],
+        solvers=["none", "dp", "ilp"],
+        anchors=(),
+        measure=True,
+        repeats=1,
+        device="h100",
     )
     return model, example_input, c
 
@@ -391,7 +398,6 @@ def compared_in_place():
 def test_compare_in_place_makes_the_plans_plan_makes(compared_in_place):
     model, example_input, c = compared_in_place
     assert c.form == "inplace"
-    # in place only the solvers whose regions are module calls apply
     assert [(r.solver, r.budget_bytes) for r in c.rows] == [
         (s, round(f * c.eager_predicted_peak_bytes))
         for f in (1.0, 0.85)
@@ -472,8 +478,8 @@ def test_compare_takes_every_option_plan_takes():
     assert graph.form == "graph" and "planner.compare (graph form)" in str(graph)
     assert all(p.form == "graph" for p in graph.plans.values())
     # what plan refuses, compare refuses, before pricing
-    with pytest.raises(planner.UnsupportedModelError, match="form='graph'"):
-        compare_module.compare(model, example_input, [1.0], solvers=["uniform"])
+    with pytest.raises(ValueError, match="unknown anchor"):
+        compare_module.compare(model, example_input, [1.0], anchors=["every-layer"])
     with pytest.raises(ValueError, match="in place"):
         compare_module.compare(
             model, example_input, [1.0], form="graph", fsdp=planner.FSDPConfig(2)
@@ -487,7 +493,9 @@ def test_compare_takes_every_option_plan_takes():
     with pytest.raises(ValueError, match="unknown device profile"):
         compare_module.compare(model, example_input, [1.0], device="tpu9")
     with pytest.raises(ValueError, match="solvers not compared: greedy"):
-        compare_module.compare(model, example_input, [1.0], solver_opts={"greedy": {}})
+        compare_module.compare(
+            model, example_input, [1.0], solvers=["dp"], solver_opts={"greedy": {}}
+        )
 
 
 def test_compare_and_fit_batch_plan_one_fsdp_rank_as_plan_does():

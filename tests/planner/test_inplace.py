@@ -18,7 +18,7 @@ from planner.devices import profile_of_model
 from planner.inplace import ModuleRegion, apply_regions
 from planner.passes.step import call, training_loss
 from planner.plans import region_module
-from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
+from planner.solvers.errors import PlanFileError, PlannerError
 from tests.helpers import assert_same_step_copy
 
 # GPT-ref's architecture, small enough for CI, with activations (not parameter gradients)
@@ -234,8 +234,6 @@ def test_the_two_forms_say_how_to_use_the_other(planned):
     assert graph_plan.form == "graph"
     with pytest.raises(PlannerError, match="form='inplace'"):
         graph_plan.apply(model)
-    with pytest.raises(UnsupportedModelError, match="'dp'"):
-        planner.plan(model, example, 1.0, solver="uniform", form="inplace")
     with pytest.raises(ValueError, match="form"):
         planner.plan(model, example, 1.0, form="eager")
 
