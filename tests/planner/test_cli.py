@@ -476,7 +476,6 @@ BROKEN = {
             '"model_type"',
         ),
         (f"{GPT}", ["--show-code"], "add --form graph"),
-        (f"{GPT}", ["--solver", "greedy"], "greedy places regions between arbitrary graph"),
         (f"{GPT}", ["--solver-opts", '{"nope": 1}'], "--solver-opts for auto: "),
         (f"{GPT}", ["--solver-opts", "[1]"], "--solver-opts must be a JSON object"),
         (f"{GPT}", ["--device", "tpu9"], "--device 'tpu9' is neither a torch device"),
@@ -553,10 +552,15 @@ def test_fit_batch_takes_the_form_and_plans_options(tmp_path, capsys):
     assert "example_input), then train p.module in the model's place" in printed
     body = json.loads(out_path.read_text())
     assert body["solver"] == "uniform" and "module_tree" not in body  # a graph plan file
-    with pytest.raises(SystemExit) as info:
-        main(["fit-batch", "benchmarks.models:gpt_ref_small_for_batch", "--budget", "1GB",
-              "--solver", "uniform"])  # fmt: skip
-    assert info.value.code == 2 and "add --form graph" in capsys.readouterr().err
+    # in place too: uniform checkpoints the model's own blocks
+    inplace_path = tmp_path / "inplace.json"
+    argv = ["fit-batch", "benchmarks.models:gpt_ref_small_for_batch", "--budget", "100GB"]
+    argv += ["--batch-sizes", "1", "--device", "h100", "--out", str(inplace_path)]
+    assert main([*argv, "--solver", "uniform", "-q"]) == 0
+    assert "wraps the model's own modules in place" in flat(capsys.readouterr().out)
+    body = json.loads(inplace_path.read_text())
+    assert body["solver"] == "uniform" and "module_tree" in body
+    assert [r["name"] for r in body["regions"]] == ["blocks.0", "blocks.1"]
 
 
 def test_solvers_are_listed_whole_with_the_forms_they_apply_to(capsys):
