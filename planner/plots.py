@@ -209,6 +209,9 @@ class Rows(Protocol):
     @property
     def eager_measured_peak_bytes(self) -> int | None: ...
 
+    @property
+    def eager_step_time_s(self) -> float | None: ...
+
 
 def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Points (peak, cost) no other point beats on both, sorted by peak."""
@@ -220,34 +223,70 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def plot_pareto(comparison: Rows, *, ax: Any = None) -> Figure:
-    """Peak memory vs the predicted time checkpointing adds to the step (ms: recomputation and
-    each region's bookkeeping, ``Row.added_time_s``) for every feasible row, a front per solver.
+    """Peak memory vs the time checkpointing adds to the step (ms), every feasible row, a front
+    per solver (anchors included), eager as a star, the budgets as dotted lines.
 
-    Time, not FLOPs: it is what the solvers minimise (pointwise ops cost time and no FLOPs),
-    so a solver called optimal is lowest here at its budget. Uses measured peaks when the
-    comparison measured them, else predicted peaks.
+    Predicted: the predicted peak vs the predicted added time (recomputation and each region's
+    bookkeeping, ``Row.added_time_s``): time, not FLOPs, as it is what the solvers minimise (a
+    solver called optimal is lowest here at its budget). When the comparison measured its rows
+    (``measure=True``) a second panel beside it shows the same rows measured: measured peak vs
+    measured step time over the unmodified model's. ``ax``: draw the predicted panel alone there.
     """
-    fig, ax = _figure_and_axes(ax, (8, 5))
     feasible = [r for r in comparison.rows if r.feasible and r.added_time_s is not None]
-    measured = bool(feasible) and all(r.measured_peak_bytes is not None for r in feasible)
-    kind = "measured" if measured else "predicted"
+    eager_step_s = getattr(comparison, "eager_step_time_s", None)
+    measured = (
+        ax is None
+        and bool(feasible)
+        and all(r.measured_peak_bytes is not None for r in feasible)
+        and all(r.measured_step_time_s is not None for r in feasible)
+        and eager_step_s is not None
+    )
+    if ax is not None:
+        fig = ax.figure
+    else:
+        fig = Figure(figsize=(14 if measured else 8, 5), layout="constrained")
+        ax = fig.add_subplot(1, 2 if measured else 1, 1)
+    _draw_pareto(
+        ax,
+        comparison,
+        feasible,
+        lambda r: (r.predicted_peak_bytes / MIB, r.added_time_s * 1e3),
+        comparison.eager_predicted_peak_bytes,
+        "predicted",
+    )
+    if measured:
+        _draw_pareto(
+            fig.add_subplot(1, 2, 2),
+            comparison,
+            feasible,
+            lambda r: (
+                r.measured_peak_bytes / MIB,
+                (r.measured_step_time_s - eager_step_s) * 1e3,
+            ),
+            comparison.eager_measured_peak_bytes or comparison.eager_predicted_peak_bytes,
+            "measured",
+        )
+    return fig
+
+
+def _draw_pareto(
+    ax: Any,
+    comparison: Rows,
+    feasible: Sequence[Any],
+    point: Any,
+    eager_bytes: int,
+    kind: str,
+) -> None:
+    """One panel of :func:`plot_pareto`: ``point(row)`` is its (MiB, ms)."""
     solvers = list(dict.fromkeys(r.solver for r in comparison.rows))
     for k, solver in enumerate(solvers):
-        points = [
-            (
-                (r.measured_peak_bytes if measured else r.predicted_peak_bytes) / MIB,
-                r.added_time_s * 1e3,
-            )
-            for r in feasible
-            if r.solver == solver
-        ]
+        points = [point(r) for r in feasible if r.solver == solver]
         if not points:
             continue
         colour = f"C{k % 10}"
         ax.scatter(*zip(*points), color=colour, s=18, alpha=0.6)
-        front = pareto_front(points)
         ax.plot(
-            *zip(*front),
+            *zip(*pareto_front(points)),
             color=colour,
             marker="o",
             ms=5,
@@ -255,8 +294,6 @@ def plot_pareto(comparison: Rows, *, ax: Any = None) -> Figure:
             drawstyle="steps-post",
             label=solver,
         )
-    eager_bytes = comparison.eager_measured_peak_bytes if measured else None
-    eager_bytes = eager_bytes or comparison.eager_predicted_peak_bytes
     ax.scatter(
         [eager_bytes / MIB],
         [0.0],
@@ -269,12 +306,15 @@ def plot_pareto(comparison: Rows, *, ax: Any = None) -> Figure:
     for j, budget in enumerate(sorted({r.budget_bytes for r in comparison.rows})):
         ax.axvline(budget / MIB, color="gray", ls=":", lw=1, label="budgets" if j == 0 else None)
     ax.set_xlabel(f"{kind} peak of one step (MiB)")
-    ax.set_ylabel("predicted time checkpointing adds to a step (ms)")
-    ax.set_title("memory / recompute trade-off (lower left is better)")
+    ax.set_ylabel(
+        "predicted time checkpointing adds to a step (ms)"
+        if kind == "predicted"
+        else "measured step time over eager's (ms)"
+    )
+    ax.set_title(f"{kind}: memory / recompute trade-off (lower left is better)")
     ax.set_xlim(left=0)
-    ax.set_ylim(bottom=-0.03 * ax.get_ylim()[1])  # eager's star sits at 0, on show
+    ax.set_ylim(bottom=min(-0.03 * ax.get_ylim()[1], ax.get_ylim()[0]))  # eager's star on show
     ax.legend(fontsize=8)
-    return fig
 
 
 def _figure_and_axes(ax: Any, size: tuple[float, float]) -> tuple[Figure, Any]:

@@ -178,6 +178,7 @@ def hand_comparison(measured: bool = False) -> Comparison:
                     0.5,
                     recompute_time_s=rng.uniform(0, 0.05),
                     added_time_s=rng.uniform(0, 0.06),
+                    measured_step_time_s=0.1 + rng.uniform(0, 0.06) if measured else None,
                 )
             )
     return Comparison(
@@ -255,8 +256,20 @@ def test_pareto_plot_draws_each_solvers_front_eager_and_budgets():
     assert [tuple(p) for p in eager[0].get_offsets()] == [(400.0, 0.0)]
     budget_lines = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
     assert sorted(ln.get_xdata()[0] for ln in budget_lines) == [100.0, 200.0, 300.0]
-    assert "predicted" in ax.get_xlabel()
-    assert "measured" in plot_pareto(hand_comparison(measured=True)).axes[0].get_xlabel()
+    assert "predicted" in ax.get_xlabel() and len(c.plot().axes) == 1
+    # measured rows: the predicted panel, and beside it the same rows as measured
+    m = hand_comparison(measured=True)
+    predicted, measured = plot_pareto(m).axes
+    assert "predicted" in predicted.get_xlabel() and "measured" in measured.get_xlabel()
+    points = [
+        (r.measured_peak_bytes / MIB, (r.measured_step_time_s - m.eager_step_time_s) * 1e3)
+        for r in m.rows
+        if r.solver == "dp" and r.feasible
+    ]
+    drawn = line(measured, "dp")
+    assert list(zip(drawn.get_xdata(), drawn.get_ydata())) == pareto_front(points)
+    eager = [col for col in measured.collections if col.get_label().startswith("eager")]
+    assert [tuple(p) for p in eager[0].get_offsets()] == [(410.0, 0.0)]
 
 
 # --- compare() end to end on a tiny GPT --------------------------------------------------------
