@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.solvers.costgraph import CostGraph, Region
-from planner.solvers.cuts import _block_key
+from planner.solvers.cuts import block_key
 from planner.solvers.errors import UnsupportedModelError
 
 # The solvers that need no blocks in place: they search the spans themselves.
@@ -38,7 +38,7 @@ def module_blocks(graph: CostGraph) -> list[Block]:
     spans = graph.region_spans or frozenset()
     members: dict[str, dict[int, list[int]]] = {}
     for i, node in enumerate(graph.nodes):
-        key = _block_key(node.module_path)
+        key = block_key(node.module_path)
         if key is not None:
             members.setdefault(key[0], {}).setdefault(key[1], []).append(i)
     blocks: list[Block] = []
@@ -53,8 +53,8 @@ def module_blocks(graph: CostGraph) -> list[Block]:
             if b - a == len(by_index[k]) and (a, b) in spans
         ]
     blocks.sort(key=lambda b: b.start)
-    # a container nested in another's block (never, as paths take their first index) or
-    # overlapping calls would make nested regions of blocks: keep the first of each overlap
+    # block_key takes a path's first index, so containers do not nest; should two calls still
+    # overlap, the first is kept (blocks are consecutive, never one inside another)
     out: list[Block] = []
     for b in blocks:
         if not out or b.start >= out[-1].stop:

@@ -114,7 +114,7 @@ def crossing_bytes(graph: CostGraph) -> list[int]:
     return out
 
 
-def _block_key(module_path: str) -> tuple[str, int] | None:
+def block_key(module_path: str) -> tuple[str, int] | None:
     """('blocks', 3) for 'blocks.3.attn.qkv' or "blocks[3].attn"; None outside any list."""
     tokens = _TOKEN.findall(module_path)
     for k, tok in enumerate(tokens):
@@ -131,7 +131,7 @@ def block_spans(graph: CostGraph) -> list[tuple[int, int]]:
     """
     groups: dict[str, dict[int, list[int]]] = {}
     for i, node in enumerate(graph.nodes):
-        key = _block_key(node.module_path)
+        key = block_key(node.module_path)
         if key is not None:
             groups.setdefault(key[0], {}).setdefault(key[1], []).append(i)
     if not groups:

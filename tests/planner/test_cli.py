@@ -699,3 +699,19 @@ def test_fsdp_and_a_pinned_calibration_plan_as_the_api_plans(tmp_path, capsys):
     assert [r["module"] for r in body["regions"]] == [r.name for r in api.regions]
     unsharded = planner.plan(model, x, body["budget_bytes"] / 1e9, "dp", calibration=calibration)
     assert unsharded.baseline_peak_bytes != api.baseline_peak_bytes  # the flag was not ignored
+
+
+def test_compare_measures_the_anchors_it_is_asked_for(tmp_path, capsys):
+    md = tmp_path / "table.md"
+    argv = ["compare", "benchmarks.models:residual_cnn_example", "--budgets", "95%", "-q"]
+    argv += ["--solvers", "uniform,dp", "--anchors", "every-block", "--measure"]
+    argv += ["--factory-kwargs", '{"batch": 2, "size": 8, "channels": 4, "n_blocks": 3}']
+    assert main([*argv, "--markdown", str(md)]) == 0
+    rows = [r.split(" | ") for r in md.read_text().strip().splitlines()[4:]]
+    assert sorted(r[0].removeprefix("| ") for r in rows) == ["dp", "every-block", "uniform"]
+    header = md.read_text().strip().splitlines()[2].split(" | ")
+    measured = header.index("measured peak")
+    every = next(r for r in rows if r[0] == "| every-block")
+    uniform = next(r for r in rows if r[0] == "| uniform")
+    # every block is uniform's default plan, measured once and shown on both rows
+    assert every[measured] == uniform[measured] != "-"
