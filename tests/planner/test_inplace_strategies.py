@@ -20,6 +20,17 @@ from tests import models_zoo as zoo
 from tests.helpers import assert_same_step_copy
 
 STRATEGIES = ("uniform", "sqrt", "greedy", "revolve", "selective", "sac")
+# The blocks found from each model's own structure: a ModuleList's layers, a Sequential's
+# children; a U-Net's encoder, upsampling and decoder levels in the order they run (its stem,
+# a conv, a norm and a ReLU, runs no two children alike: no blocks)
+BLOCKS = {
+    "llama": [f"model.layers.{i}" for i in range(2)],
+    "gpt2": [f"transformer.h.{i}" for i in range(4)],
+    "bert": [f"bert.encoder.layer.{i}" for i in range(2)],
+    "vit": [f"vit.layers.{i}" for i in range(2)],
+    "unet": ["down.0", "down.1", "up.0", "dec.0", "up.1", "dec.1"],
+    "resnet": [f"blocks.{i}" for i in range(4)],
+}
 
 
 @pytest.mark.parametrize(
@@ -32,6 +43,7 @@ STRATEGIES = ("uniform", "sqrt", "greedy", "revolve", "selective", "sac")
 def test_every_strategy_plans_applies_and_keeps_its_promise(name):
     model, x = zoo.BLOCK_MODELS[name]()
     reference = copy.deepcopy(model)
+    assert [b.path for b in module_blocks(price_inplace(model, x).graph)] == BLOCKS[name]
     eager = planner.plan(model, x, 1e3, solver="none")
     budget_bytes = int(0.9 * eager.predicted_peak_bytes)
     planned = 0
