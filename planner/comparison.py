@@ -294,9 +294,9 @@ def compare(
 ) -> Comparison:
     """Run every solver at every budget on one pricing of ``model``; one row each.
 
-    ``form``: the plans' form, as for ``planner.plan``: "inplace" (the default; only the
-    solvers whose regions are module calls, ``none``, ``dp``, ``ilp`` and ``auto``, apply) or
-    "graph" (every solver). ``budgets_gb``: decimal GB (10^9 bytes), as ``plan``'s
+    ``form``: the plans' form, as for ``planner.plan``: "inplace" (the default: every solver,
+    its regions module calls; the classic strategies count the model's repeated blocks,
+    ``solvers/blocks.py``) or "graph". ``budgets_gb``: decimal GB (10^9 bytes), as ``plan``'s
     ``mem_budget_gb``. Without it, the budgets are ``budget_fractions`` of the predicted eager
     peak (default 0.8, 0.6, 0.4, 0.2). ``solvers``: registered solver names (default: all but
     'auto' that apply to ``form``). ``measure``: also run each plan's real training step

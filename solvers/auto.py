@@ -5,8 +5,9 @@ policies (selective, every block, Chen's greedy) are also tried because each can
 ``dp``'s space lacks (selective keeps matmul outputs while recomputing their inputs). Small
 graphs also get the exact ``ilp``. Schedule.solver names the winner; Schedule.note lists the
 time each of the others adds to the step, and what the time limit cut short. On
-module-granular graphs (``CostGraph.region_spans``: plans applied in place) only the solvers
-that keep to the spans run: none, dp, ilp.
+module-granular graphs (``CostGraph.region_spans``: plans applied in place) only none, dp and
+ilp run: the block strategies keep to the spans too, but within any budget one of them fits, dp
+is no slower (at each one's own peak: ``benchmarks/dominance.py``).
 
 Options: ``time_limit_s`` (default AUTO_TIME_LIMIT_S: the solve step of ``planner.plan``; CPU
 time of this process, as every solver's: ``SolverOptions.deadline``) bounds the whole call and
@@ -70,7 +71,7 @@ def solve_auto(graph: CostGraph, budget_bytes: float, options: AutoOptions) -> S
     deadline = options.deadline()
     names = ["none", "selective", "uniform", "greedy", "dp"]
     if graph.region_spans is not None:
-        names = ["none", "dp"]  # the solvers whose regions follow module calls
+        names = ["none", "dp"]  # dp is no slower than the block strategies (module docstring)
     if len(graph.nodes) <= ILP_MAX_NODES:
         names.append("ilp")
     found: list[tuple[float, int, str, Schedule]] = []
