@@ -135,6 +135,11 @@ def solve_revolve(graph: CostGraph, budget_bytes: float, options: RevolveOptions
         raise InfeasibleBudgetError(budget_bytes, least or 0, "(solver 'revolve')")
     s, t = best[3], best[4]
     note = f"binomial, {s} snapshots, {t} sweeps, beta = {beta(s, t)} >= {n_units} units"
+    if inplace:
+        note += "; blocks as units"
+        left_out = len(nested(list(range(n_units + 1)), s, t)) - len(best[2])
+        if left_out:
+            note += f", {left_out} segments no span covers left out"
     if cut_short:
         note += f"; {time_limit_text(options)}: snapshot counts up to {s_max} tried"
     return finish(graph, budget_bytes, best[2], "revolve", note)

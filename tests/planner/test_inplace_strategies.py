@@ -132,6 +132,12 @@ def test_a_group_no_span_covers_is_wrapped_as_the_fewest_spans_that_do():
     p = planner.plan(model, x, 1.0, solver="uniform", k=2)
     assert [r.name for r in p.regions] == [f"transformer.h.{i}" for i in range(4)]
     assert "2 group(s) of 2 blocks are no one module call or span" in p.notes
+    # revolve's segments of several layers are no span either: the single layers remain
+    nested = planner.plan(model, x, 1.0, solver="revolve", snapshots=1)
+    assert [(r.name, r.depth) for r in nested.regions] == [
+        (f"transformer.h.{i}", 0) for i in range(4)
+    ]
+    assert "2 segments no span covers left out" in nested.notes
 
 
 class _NoBlocks(nn.Module):
