@@ -218,6 +218,13 @@ BLOCK_MODELS = {
 }
 
 
+def block_model_params() -> list:
+    """BLOCK_MODELS' names as pytest parameters, the Hugging Face ones (SLOW) marked slow."""
+    import pytest
+
+    return [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in BLOCK_MODELS]
+
+
 class DataDependentNet(nn.Module):
     """Branches on a tensor's value: neither torch.export nor symbolic_trace can capture it."""
 

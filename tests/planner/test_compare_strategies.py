@@ -56,13 +56,7 @@ def test_the_anchors_are_every_block_and_hugging_faces_own_layers(measured_llama
     assert dp.predicted_step_time_s <= every.predicted_step_time_s
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=[pytest.mark.slow] if n in ("gpt2", "bert", "llama") else [])
-        for n in zoo.BLOCK_MODELS
-    ],
-)
+@pytest.mark.parametrize("name", zoo.block_model_params())
 def test_dp_is_never_slower_than_a_simple_strategy_at_its_peak(name):
     model, x = zoo.BLOCK_MODELS[name]()
     rows = dominance_rows(name, price_inplace(model, x).graph)

@@ -33,13 +33,7 @@ BLOCKS = {
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=[pytest.mark.slow] if n in ("gpt2", "bert", "llama") else [])
-        for n in zoo.BLOCK_MODELS
-    ],
-)
+@pytest.mark.parametrize("name", zoo.block_model_params())
 def test_every_strategy_plans_applies_and_keeps_its_promise(name):
     model, x = zoo.BLOCK_MODELS[name]()
     reference = copy.deepcopy(model)
