@@ -98,9 +98,8 @@ def hf_layers(model: torch.nn.Module) -> list[str]:
     off again. A flag on a model class (``LlamaModel``) or on a module holding flagged ones
     (an encoder that, before 5.x, checkpointed its layers itself) marks no region of its own:
     the innermost flagged modules are the regions."""
-    before = hf_flags_on(model)
     with hf_enabled(model):
-        flagged = [p for p in hf_flags_on(model) if p not in before]
+        flagged = hf_flags_on(model)
     paths = [
         p
         for p in flagged
@@ -115,10 +114,12 @@ def hf_layers(model: torch.nn.Module) -> list[str]:
 
 
 class hf_enabled:
-    """Hugging Face's own checkpointing on ``model`` for a ``with`` block, off after."""
+    """Hugging Face's own checkpointing on ``model`` for a ``with`` block, off after (left on
+    where the user had it on)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.was_on = False
 
     def _call(self, names: tuple[str, ...], **kw: Any) -> None:
         for name in names:
@@ -130,8 +131,11 @@ class hf_enabled:
         raise PlannerError(f"{type(self.model).__name__} has no {names[0]}()")
 
     def __enter__(self) -> torch.nn.Module:
-        self._call(_ENABLE)
+        self.was_on = bool(hf_flags_on(self.model))
+        if not self.was_on:
+            self._call(_ENABLE)
         return self.model
 
     def __exit__(self, *exc: Any) -> None:
-        self._call(_DISABLE)
+        if not self.was_on:
+            self._call(_DISABLE)

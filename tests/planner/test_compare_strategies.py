@@ -64,3 +64,19 @@ def test_dp_is_never_slower_than_a_simple_strategy_at_its_peak(name):
     for r in rows:
         assert r.dp_peak_bytes <= r.peak_bytes, r
         assert r.dp_step_time_s <= r.step_time_s, r
+
+
+@pytest.mark.slow
+def test_the_hf_anchor_leaves_hugging_faces_checkpointing_as_the_user_had_it():
+    from planner.hf_checkpointing import hf_flags_on
+
+    model, x = zoo.llama_example()
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match="planned as if it were off"):
+        c = planner.compare(model, x, budget_fractions=[0.9], solvers=["none"], anchors=["hf"])
+    (budget,) = {r.budget_bytes for r in c.rows}
+    assert [r.name for r in c.plans[("hf", budget)].regions] == ["model.layers.0", "model.layers.1"]
+    assert "model.layers.0" in hf_flags_on(model)  # still on, as the user had it
+    model.gradient_checkpointing_disable()
+    planner.compare(model, x, budget_fractions=[0.9], solvers=["none"], anchors=["hf"])
+    assert hf_flags_on(model) == []  # turned on to read its layers, and off again
