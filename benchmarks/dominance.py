@@ -1,7 +1,8 @@
 """dp is never slower than the simple strategies at their own memory, in place.
 
 For each model with repeated blocks (``tests/models_zoo.py`` BLOCK_MODELS: Hugging Face Llama,
-GPT-2, BERT and ViT, the U-Net, the ResNet) and each simple strategy (checkpoint every block,
+GPT-2, BERT and ViT, the U-Net, the ResNet) and the reference GPT (``benchmarks/models.py``
+GPT-ref, 787 priced ops), and each simple strategy (checkpoint every block,
 every 2nd and every 3rd, sqrt(N) segments, Korthikanti's selective, torchtitan's op-level
 SAC), the strategy's predicted peak and step time, and dp's predicted step time planned within
 that peak. Every figure is ``simulate``'s on one in-place pricing of the model (the pricing a
@@ -86,13 +87,14 @@ def markdown(rows: list[DominanceRow]) -> str:
 
 
 def main() -> None:
+    from benchmarks.models import gpt_ref_example
     from tests.models_zoo import BLOCK_MODELS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     rows: list[DominanceRow] = []
-    for name, example in BLOCK_MODELS.items():
+    for name, example in {**BLOCK_MODELS, "gpt-ref": gpt_ref_example}.items():
         model, example_input = example()
         rows += dominance_rows(name, price_inplace(model, example_input).graph)
     print(markdown(rows))
