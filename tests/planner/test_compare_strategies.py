@@ -3,10 +3,14 @@ real; and dp never slower than the simple strategies at their own predicted peak
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
 import planner
-from benchmarks.dominance import STRATEGIES, dominance_rows
+from benchmarks.dominance import STRATEGIES, DominanceRow, dominance_rows, markdown
 from planner.inplace_form import price_inplace
 from tests import models_zoo as zoo
 
@@ -80,3 +84,20 @@ def test_the_hf_anchor_leaves_hugging_faces_checkpointing_as_the_user_had_it():
     model.gradient_checkpointing_disable()
     planner.compare(model, x, budget_fractions=[0.9], solvers=["none"], anchors=["hf"])
     assert hf_flags_on(model) == []  # turned on to read its layers, and off again
+
+
+def test_a_dominance_row_holds_only_when_dp_is_no_higher_and_no_slower():
+    r = DominanceRow("m", "s", 2**20, 0.01, 2**20, 0.008)
+    assert r.holds
+    assert not dataclasses.replace(r, dp_peak_bytes=2**20 + 1).holds
+    assert not dataclasses.replace(r, dp_step_time_s=0.0101).holds
+    assert "| m | s | 1.000 MiB | 10.00 ms | 8.00 ms | 20.0% |" in markdown([r])
+
+
+def test_the_committed_dominance_table_covers_the_block_models_and_holds():
+    body = json.loads((Path(__file__).parents[2] / "benchmarks/results/dominance.json").read_text())
+    assert body["command"] == "python -m benchmarks.dominance"
+    rows = [DominanceRow(**{k: v for k, v in r.items() if k != "holds"}) for r in body["rows"]]
+    assert {r.model for r in rows} >= set(zoo.BLOCK_MODELS)
+    assert {r.strategy for r in rows} == {s for s, _, _ in STRATEGIES}
+    assert all(r.holds for r in rows)
