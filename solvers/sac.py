@@ -49,7 +49,8 @@ def saved_by_policy(graph: CostGraph, start: int, stop: int) -> frozenset[int]:
 
 @register("sac", options=SolverOptions)
 def solve_sac(graph: CostGraph, budget_bytes: float, options: SolverOptions) -> Schedule:
-    """One selective region per block with torchtitan's op policy (``saved_by_policy``)."""
+    """torchtitan's op-level policy per block: the outputs of its save list's ops kept (of the
+    mm calls every other one), the rest recomputed (``saved_by_policy``)."""
     regions = [
         Region(lo, hi, kind="selective", saved_nodes=saved_by_policy(graph, lo, hi))
         for lo, hi in block_bounds(graph, None)

@@ -87,7 +87,8 @@ def finish_selective(
 
 @register("selective", options=SelectiveOptions)
 def solve_selective(graph: CostGraph, budget_bytes: float, options: SelectiveOptions) -> Schedule:
-    """One selective region per block (``block_bounds``) keeping what ``worth_keeping``."""
+    """One selective region per block keeping matmul and convolution outputs, the rest
+    recomputed (Korthikanti et al.; regions: ``block_bounds``, kept: ``worth_keeping``)."""
     produced = out_bytes(graph)
     regions = []
     for lo, hi in block_bounds(graph, options.n_segments):
