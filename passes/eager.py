@@ -150,7 +150,8 @@ class _OpTracker(Tracker):
         self.recording = False
         self.path_stack: list[str] = []
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
-        self.pending: list[tuple[int, list[weakref.ref]]] = []
+        # (node, its outputs as (weak reference, version when made)) whose grad_fns are unclaimed
+        self.pending: list[tuple[int, list[tuple[weakref.ref, int]]]] = []
         self.failed_in: str | None = None  # the innermost module a failing forward ran
         # (start, stop, storage records) of each module call: the tensors it was passed
         self.call_args: list[tuple[int, int, list[Any]]] = []
@@ -187,14 +188,24 @@ class _OpTracker(Tracker):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         outs = self.exit_node(record, read, seg, out)
         # autograd attaches the grad_fn after dispatch returns: claimed as the next op starts
-        self.pending.append((i, [weakref.ref(t) for t in outs]))
+        self.pending.append((i, [(weakref.ref(t), t._version) for t in outs]))
         return out
 
     def claim_pending(self) -> None:
-        """Map the grad_fns autograd attached to earlier ops' outputs to those ops."""
-        for i, refs in self.pending:
-            self.claim([t for ref in refs if (t := ref()) is not None], i)
-        self.pending.clear()
+        """Map the grad_fns autograd attached to earlier ops' outputs to those ops.
+
+        An output written in place since it was made is left to the op that wrote it: autograd
+        is rebasing its history, and a view's ``grad_fn`` read now replays the view under the
+        lock autograd holds (DeepSeek-V3's ``key_states[..., :n].copy_(...)`` deadlocked here).
+        Ops dispatched while claiming are the tracker's own, not the model's."""
+        pending, self.pending = self.pending, []
+        self.internal += 1
+        try:
+            for i, refs in pending:
+                outs = [t for ref, made in refs if (t := ref()) is not None and t._version == made]
+                self.claim(outs, i)
+        finally:
+            self.internal -= 1
 
 
 class _CallRecorder(ForwardWrapper):
