@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.weak import WeakIdKeyDictionary
 
+from planner.passes.attention_kernels import TargetAttention, prices_other_kernels
 from planner.passes.costing import cost_graph, with_measured_times
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.op_timing import Timer
@@ -80,7 +81,7 @@ from planner.passes.step import (
     split_input,
     training_loss,
 )
-from planner.passes.trace import OpRecord, Tracker, fake_step, is_tensor
+from planner.passes.trace import OpRecord, Tracker, fake_step, is_tensor, step_device
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.cuts import forbidden_cuts
 from planner.solvers.rates import DeviceProfile
@@ -145,9 +146,15 @@ class EagerGraph:
 class _OpTracker(Tracker):
     """The tracker, opening one record per aten op of the forward and loss."""
 
-    def __init__(self, record_calls: bool = False) -> None:
+    def __init__(
+        self, record_calls: bool = False, attention: TargetAttention | None = None
+    ) -> None:
         super().__init__(record_calls)
         self.recording = False
+        # the target device's attention kernels, where the plan is for another device than the
+        # model's (``passes/attention_kernels.py``); every run of the model prices them alike
+        self.attention = attention
+        self.cuda_blocks = attention is not None and attention.target.device_type == "cuda"
         self.path_stack: list[str] = []
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         # (node, its outputs as (weak reference, version when made)) whose grad_fns are unclaimed
@@ -247,6 +254,8 @@ def _recording_calls(model: torch.nn.Module, tracker: _OpTracker) -> Iterator[di
     calls: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
     installed: list[tuple[_CallRecorder, torch.nn.Module]] = []
     try:
+        if tracker.attention is not None:
+            tracker.attention.__enter__()
         for path, module in model.named_modules():
             recorder = _CallRecorder(path, tracker, calls)
             recorder.install(module)
@@ -255,6 +264,8 @@ def _recording_calls(model: torch.nn.Module, tracker: _OpTracker) -> Iterator[di
     finally:
         for recorder, module in reversed(installed):
             recorder.uninstall(module)
+        if tracker.attention is not None:
+            tracker.attention.__exit__(None, None, None)
 
 
 class _AllOnes(TorchFunctionMode):
@@ -310,9 +321,14 @@ def _mask_decisions_as_eager(kwargs: dict[str, Any]) -> Iterator[None]:
         yield
         return
     positions = kwargs.get("position_ids")
-    packed = is_tensor(positions) and mu.find_packed_sequence_indices(positions) is not None
+    packed = (
+        is_tensor(positions)
+        and not positions.is_meta  # values unknown: rows numbered 0..S-1, as transformers does
+        and mu.find_packed_sequence_indices(positions) is not None
+    )
     masks = [v for k, v in kwargs.items() if "mask" in k and is_tensor(v)]
-    unmasked = bool(masks) and all(bool(m.all()) for m in masks)
+    # a mask on the meta device has no values: priced padded, the masked path (summary says)
+    unmasked = bool(masks) and all(not m.is_meta and bool(m.all()) for m in masks)
     optional = ("_ignore_bidirectional_mask_sdpa",)
     originals = {n: getattr(mu, n) for n in (*names, *optional) if hasattr(mu, n)}
 
@@ -368,7 +384,9 @@ def eager_graph(
     step's aten calls on the model's real device (from ``timer``, a device's calibration),
     fitted to its measured step if given.
     """
-    tracker = _OpTracker(record_calls=time_ops)
+    other_kernels = prices_other_kernels(rates, step_device(model, example_input))
+    attention = TargetAttention(rates) if other_kernels else None
+    tracker = _OpTracker(record_calls=time_ops, attention=attention)
     fs = fake_step(model, example_input, tracker)
     call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
     _, kwargs = split_input(example_input)
@@ -412,12 +430,34 @@ def eager_graph(
 
     graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
     meta = {**graph.meta, "precision": precision_text(model), "python_lifetimes": lifetimes}
+    meta.update(_target_notes(tracker, rates, kwargs))
     graph = replace(graph, meta=meta)
     if time_ops:
         graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
     eg = _candidates(model, graph, calls, written, tracker.aliased_args)
     eg = _with_parent_spans(model, eg, parents, offered, written, not_parents)
     return replace(eg, traced_forwards=tuple(traced))
+
+
+def _target_notes(tracker: _OpTracker, rates: DeviceProfile, kwargs: dict) -> dict[str, str]:
+    """What the summary says of pricing for another device than the model's: the attention
+    kernels priced as it runs them, the input values meta tensors could not show, and what
+    a profile cannot price."""
+    notes = {}
+    if tracker.attention is not None and tracker.attention.chosen:
+        notes["attention"] = f"as {rates.name} runs it: {tracker.attention.summary()}"
+    unknown = [k for k, v in kwargs.items() if "mask" in k and is_tensor(v) and v.is_meta]
+    if unknown:
+        notes["unknown_values"] = (
+            f"{', '.join(unknown)} on the meta device (values unknown): priced as padded, the "
+            f"masked attention path"
+        )
+    if tracker.cuda_blocks:
+        notes["unpriced"] = (
+            "kernel workspaces (cuBLAS, attention) are not priced on a profile: plan on the GPU "
+            "to measure them (the allocator's 512-byte blocks are priced)"
+        )
+    return notes
 
 
 def _python_lifetimes(
@@ -457,7 +497,7 @@ def _python_lifetimes(
     ]
     if not saved:
         return "no saved storage"
-    other = _OpTracker()
+    other = _OpTracker(attention=tracker.attention)
     fs = fake_step(model, example_input, other)
     call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
     _, kwargs = split_input(example_input)
@@ -570,7 +610,7 @@ def _parent_node_ops(
     last use, a module's own code may hold it longer (the U-Net's list of skips)."""
     if not parents:
         return {}, set()
-    other = _OpTracker()
+    other = _OpTracker(attention=tracker.attention)
     fs = fake_step(model, example_input, other)
     out: dict[str, dict[str, tuple[int, int]]] = {}
     held_otherwise: set[str] = set()

@@ -57,11 +57,12 @@ _GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator's smallest block, and its rounding
 
 
-def allocated_bytes(t: torch.Tensor) -> int:
-    """The device memory ``t``'s storage takes: on CUDA the caching allocator rounds every
-    block up to a multiple of 512 bytes, elsewhere its bytes."""
+def allocated_bytes(t: torch.Tensor, cuda_blocks: bool = False) -> int:
+    """The device memory ``t``'s storage takes: on CUDA (or priced for CUDA: ``cuda_blocks``)
+    the caching allocator rounds every block up to a multiple of 512 bytes, elsewhere its
+    bytes."""
     nbytes = t.untyped_storage().nbytes()
-    if t.device.type != "cuda":
+    if t.device.type != "cuda" and not cuda_blocks:
         return nbytes
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
@@ -186,6 +187,9 @@ class Tracker(TorchDispatchMode):
         # (the cache may skip fake tensors, so the pricing run holds them here)
         self.cast_cache: list[torch.Tensor] = []
         self.autocast = bool(autocast_dtypes())
+        # priced for a CUDA device from another one (a model on meta planned for an H100): its
+        # storages rounded as the CUDA caching allocator rounds them
+        self.cuda_blocks = False
         self.died_at: dict[int, int] = {}  # id(storage record) -> node it outlived in forward
         self.casts: set[int] = set()  # id(storage record) of the copies autocast cached
         self.records: list[OpRecord] = []
@@ -300,7 +304,7 @@ class Tracker(TorchDispatchMode):
         rec = self.by_key.get(st._cdata)
         if rec is not None:
             return rec
-        rec = Storage(nbytes=allocated_bytes(t), node=self.node, phase=self.phase)
+        rec = Storage(nbytes=allocated_bytes(t, self.cuda_blocks), node=self.node, phase=self.phase)
         self.by_key[st._cdata] = rec
         self.allocated[(self.phase, self.node)].append(rec)
         if self.outside_node:
@@ -314,7 +318,7 @@ class Tracker(TorchDispatchMode):
         """Parameters, buffers and inputs: the baseline, never counted as step memory."""
         if is_tensor(t):
             st = t.untyped_storage()
-            ext = Storage(nbytes=allocated_bytes(t), node=-1, phase="ext")
+            ext = Storage(nbytes=allocated_bytes(t, self.cuda_blocks), node=-1, phase="ext")
             self.by_key.setdefault(st._cdata, ext)
 
     def _free(self, key: int, rec: Storage) -> None:
@@ -530,6 +534,13 @@ class FakeStep:
             yield
 
 
+def step_device(module: torch.nn.Module, batch: Any) -> torch.device:
+    """The device a step of ``module`` on ``batch`` runs on: its first tensor's."""
+    args, kwargs = split_input(batch)
+    tensors = [*module.parameters(), *module.buffers(), *tree_leaves((args, kwargs))]
+    return next((t.device for t in tensors if is_tensor(t)), torch.device("cpu"))
+
+
 def fake_step(module: torch.nn.Module, batch: Any, tracker: Tracker) -> FakeStep:
     """The :class:`FakeStep` of ``module`` on the example input ``batch`` (a tensor, a tuple
     or a dict of them), traced by ``tracker`` (which needs a real device to time the calls on
@@ -539,8 +550,7 @@ def fake_step(module: torch.nn.Module, batch: Any, tracker: Tracker) -> FakeStep
     args, kwargs = split_input(batch)
     fake_args = tuple(to_fake(mode, a) for a in args)
     fake_batch = join_input(batch, fake_args, {k: to_fake(mode, v) for k, v in kwargs.items()})
-    tensors = [*module.parameters(), *module.buffers(), *tree_leaves((args, kwargs))]
-    device = next((t.device for t in tensors if is_tensor(t)), torch.device("cpu"))
+    device = step_device(module, batch)
     if tracker.record_calls and device.type == "meta":
         raise ValueError(
             "time_ops needs the model and input on a real device (cpu or cuda), not meta; "

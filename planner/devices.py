@@ -37,6 +37,19 @@ _GPU_PEAKS = {
     "t4": (65e12, 0.32e12, 16e9),
     "4090": (165e12, 1.0e12, 32e9),
 }
+# CUDA compute capability of each: which fused attention kernels torch runs there
+# (passes/attention_kernels.py).
+_GPU_CAPABILITY = {
+    "h200": (9, 0),
+    "h100": (9, 0),
+    "a100-80gb": (8, 0),
+    "a100-40gb": (8, 0),
+    "a10": (8, 6),
+    "l4": (8, 9),
+    "v100": (7, 0),
+    "t4": (7, 5),
+    "4090": (8, 9),
+}
 # What eager PyTorch kernels reach of the datasheet peak, for all three rates.
 DERATE = 0.6
 # The meta device (planning without hardware) is priced as this GPU unless told otherwise.
@@ -50,7 +63,10 @@ GPU_OFFLOAD_OVERLAP = 0.8
 
 PROFILES: dict[str, DeviceProfile] = {
     name: DeviceProfile(
-        name, *(rate * DERATE for rate in peaks), offload_overlap=GPU_OFFLOAD_OVERLAP
+        name,
+        *(rate * DERATE for rate in peaks),
+        offload_overlap=GPU_OFFLOAD_OVERLAP,
+        compute_capability=_GPU_CAPABILITY[name],
     )
     for name, peaks in _GPU_PEAKS.items()
 }
@@ -76,7 +92,9 @@ def device_profile(device: str | DeviceProfile) -> DeviceProfile:
     if key == "cpu":
         flops_per_s, bytes_per_s = device_rates(torch.device("cpu"))
         # Offloading on a CPU copies within the same memory: it frees nothing.
-        return DeviceProfile("cpu", flops_per_s, bytes_per_s, bytes_per_s, host_link=False)
+        return DeviceProfile(
+            "cpu", flops_per_s, bytes_per_s, bytes_per_s, host_link=False, device_type="cpu"
+        )
     if key in PROFILES:
         return PROFILES[key]
     raise ValueError(
@@ -98,12 +116,19 @@ def profile_of(device: torch.device) -> DeviceProfile:
         flops_per_s, bytes_per_s = device_rates(device)
         host_bytes_per_s = PROFILES[META_DEFAULT].host_bytes_per_s
         return DeviceProfile(
-            name, flops_per_s, bytes_per_s, host_bytes_per_s, offload_overlap=GPU_OFFLOAD_OVERLAP
+            name,
+            flops_per_s,
+            bytes_per_s,
+            host_bytes_per_s,
+            offload_overlap=GPU_OFFLOAD_OVERLAP,
+            compute_capability=torch.cuda.get_device_capability(device),
         )
     if device.type == "cpu":
         return device_profile("cpu")
     flops_per_s, bytes_per_s = device_rates(device)
-    return DeviceProfile(device.type, flops_per_s, bytes_per_s, bytes_per_s, host_link=False)
+    return DeviceProfile(
+        device.type, flops_per_s, bytes_per_s, bytes_per_s, host_link=False, device_type=device.type
+    )
 
 
 def profile_of_model(model: torch.nn.Module) -> DeviceProfile:

@@ -261,6 +261,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         lines.append(graph.meta["page_faults"])
     if graph.meta.get("precision"):  # the dtypes it was priced in: plan as you train
         lines.append(f"priced in {graph.meta['precision']}")
+    lines.extend(_attention_lines(graph.meta))
     lifetimes = graph.meta.get("python_lifetimes", "")
     if lifetimes.startswith("unknown"):  # passes/eager.py _python_lifetimes: not on the safe side
         lines.append(
@@ -390,3 +391,16 @@ def data_frame(rows: Sequence[object], who: str) -> Any:
             "(or install planner with its dev extra: pip install -e '.[dev]')"
         ) from None
     return pd.DataFrame([asdict(r) for r in rows])  # type: ignore[call-overload]
+
+
+def _attention_lines(meta: dict[str, str]) -> list[str]:
+    """The attention kernel priced (passes/attention_kernels.py: as the target device runs
+    it, where the plan is for another device than the model's), and what pricing for another
+    device could not know."""
+    lines = []
+    if meta.get("attention"):
+        lines.append(f"attention priced {meta['attention']}")
+    elif meta.get("sdpa_backend"):
+        lines.append(f"attention kernel priced: {meta['sdpa_backend']}")
+    lines.extend(meta[key] for key in ("unknown_values", "unpriced") if meta.get(key))
+    return lines

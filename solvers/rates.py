@@ -16,7 +16,10 @@ class DeviceProfile:
     ``host_bytes_per_s`` prices offloading (device -> host and back). ``host_link``: host memory
     is not the device's, so offloading frees device memory (False on a CPU, where solvers then
     never offload). ``offload_overlap``: the share of an offload region's own compute its
-    transfers hide behind (simulate's Rule 7).
+    transfers hide behind (simulate's Rule 7). ``device_type``: the kernels it runs, "cuda" or
+    "cpu" (a plan made elsewhere prices the ops whose kernel depends on the device, fused
+    attention, as this one runs them); ``compute_capability``: a CUDA device's (major, minor),
+    which decides among its attention kernels (None: unknown, the largest candidate is priced).
     """
 
     name: str
@@ -25,6 +28,8 @@ class DeviceProfile:
     host_bytes_per_s: float
     host_link: bool = True
     offload_overlap: float = 0.0
+    device_type: str = "cuda"
+    compute_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("flops_per_s", "bytes_per_s", "host_bytes_per_s"):
