@@ -20,12 +20,11 @@ from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
-# Pages whose blocks call features still landing on other branches: solvers in place and
-# compare's anchors (issue 39), SDPA kernels priced for a GPU profile on meta (issue 40).
-# Drop an entry once its feature is merged; the page's blocks then run like every other.
+# Pages whose blocks call features still landing on other branches: every solver in place
+# and compare's anchor rows (issue 39). Drop an entry once its feature is merged; the page's
+# blocks then run like every other.
 AWAITING_FEATURES = {
     "guides/compare.md",
-    "guides/other-gpu.md",
 }
 
 PAGES = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
