@@ -7,7 +7,9 @@ several processes).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import unittest
@@ -80,3 +82,33 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         assert f'id="{name}"' in api or f"{name}" in api, name
     # the theme's web fonts stay off: the site reads with no network
     assert "fonts.googleapis" not in (site / "index.html").read_text()
+
+
+def test_readme_and_benchmarks_stay_short_and_about_the_project() -> None:
+    readme = (ROOT / "README.md").read_text()
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert len(benchmarks.encode()) <= 40_000
+    for marker in ("<!-- ci:quickstart -->", "<!-- /ci:quickstart -->", "<!-- ci:test -->"):
+        assert marker in readme, marker
+    diary = re.compile(r"session [0-9]+|device loan|loan ended", re.IGNORECASE)
+    for name, text in (("README.md", readme), ("BENCHMARKS.md", benchmarks)):
+        assert not diary.search(text), f"{name}: {diary.search(text).group(0)!r}"
+
+
+def test_results_json_matches_the_benchmarks_table() -> None:
+    """benchmarks/results/gpt_ref_vs_anchors.json holds the README's headline figures; each row is
+    the table's row of the same run in BENCHMARKS.md."""
+    results = json.loads((ROOT / "benchmarks/results/gpt_ref_vs_anchors.json").read_text())
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    section = text.split("<!-- vs_anchors:start -->")[1].split("<!-- vs_anchors:end -->")[0]
+    table = {
+        cells[0]: cells
+        for line in section.splitlines()
+        if line.startswith("| ")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    for row in results["rows"]:
+        cells = table[row["run"]]
+        assert f"{row['measured_peak_mib']:.2f}" == cells[1], row["run"]
+        assert f"{row['step_time_s']:.3f}" == cells[5], row["run"]
