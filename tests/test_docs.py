@@ -112,3 +112,14 @@ def test_results_json_matches_the_benchmarks_table() -> None:
         cells = table[row["run"]]
         assert f"{row['measured_peak_mib']:.2f}" == cells[1], row["run"]
         assert f"{row['step_time_s']:.3f}" == cells[5], row["run"]
+
+
+def test_api_reference_covers_every_export() -> None:
+    import planner
+
+    exported = set(planner._LAZY) | {
+        name for name in vars(planner) if name.endswith(("Error", "Warning"))
+    }
+    api = (DOCS / "reference" / "api.md").read_text()
+    documented = set(re.findall(r"^::: [\w.]+\.(\w+)$", api, re.MULTILINE))
+    assert exported <= documented, f"not in docs/reference/api.md: {sorted(exported - documented)}"
