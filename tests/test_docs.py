@@ -22,13 +22,6 @@ from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
-# Pages whose blocks call features still landing on other branches: every solver in place
-# and compare's anchor rows (issue 39). Drop an entry once its feature is merged; the page's
-# blocks then run like every other.
-AWAITING_FEATURES = {
-    "guides/compare.md",
-}
-
 PAGES = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
 
 
@@ -43,8 +36,6 @@ def _python_blocks(page: str) -> int:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_docs_page_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if page in AWAITING_FEATURES:
-        pytest.skip(f"{page} documents a feature not merged yet (AWAITING_FEATURES)")
     monkeypatch.chdir(tmp_path)  # plan.json and the like land in a temporary folder
     document = _parse(page)
     ran = 0
