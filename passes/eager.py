@@ -39,6 +39,8 @@ trace runs the module's ops (:func:`_traceable_parents`, :func:`_parent_node_ops
 from __future__ import annotations
 
 import difflib
+import math
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -84,6 +86,7 @@ from planner.passes.step import (
 from planner.passes.trace import OpRecord, Tracker, fake_step, is_tensor, step_device
 from planner.solvers.costgraph import CostGraph
 from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.errors import PricingTimeLimitError
 from planner.solvers.rates import DeviceProfile
 
 # Ops selective checkpointing lets through without asking its policy (nor counting them).
@@ -155,6 +158,7 @@ class _OpTracker(Tracker):
         # model's (``passes/attention_kernels.py``); every run of the model prices them alike
         self.attention = attention
         self.cuda_blocks = attention is not None and attention.target.device_type == "cuda"
+        self.deadline = math.inf  # time.monotonic() past which tracing stops (eager_graph)
         self.path_stack: list[str] = []
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         # (node, its outputs as (weak reference, version when made)) whose grad_fns are unclaimed
@@ -178,6 +182,8 @@ class _OpTracker(Tracker):
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func in SAC_IGNORED_OPS:  # metadata queries and detach: no op of the model's
             return func(*args, **(kwargs or {}))
+        if time.monotonic() > self.deadline:
+            raise PricingTimeLimitError(self.path_stack[-1] if self.path_stack else None)
         self.claim_pending()
         i = len(self.records)
         path = self.path_stack[-1] if self.path_stack else None
@@ -371,9 +377,13 @@ def eager_graph(
     step_time: StepTime | None = None,
     timer: Timer | None = None,
     parent_spans: bool = True,
+    time_limit_s: float | None = None,
 ) -> EagerGraph:
     """Price one forward+loss+backward step of ``model`` as eager runs it (module docstring).
 
+    ``time_limit_s``: the priced run's forward and backward stop with a ``PlannerError`` naming
+    the module they were in when they run longer (a model whose tracing never ends must not
+    hang the caller); None: no limit.
     ``parent_spans``: offer spans of modules' own forwards as candidates
     (``passes/parent_spans.py``; off for FSDP2 plans, whose units' hooks they are not yet
     measured with).
@@ -387,6 +397,8 @@ def eager_graph(
     other_kernels = prices_other_kernels(rates, step_device(model, example_input))
     attention = TargetAttention(rates) if other_kernels else None
     tracker = _OpTracker(record_calls=time_ops, attention=attention)
+    if time_limit_s is not None:
+        tracker.deadline = time.monotonic() + time_limit_s
     fs = fake_step(model, example_input, tracker)
     call_args, call_kwargs = model_input(model, fs.batch, loss_fn)
     _, kwargs = split_input(example_input)

@@ -366,7 +366,7 @@ def compare(
 
     try:
         t0 = time.perf_counter()
-        priced = options.price(model, example_input, on_step)
+        priced = options.price(model, example_input, on_step, time_limit_s)
         bar.update()
         estimate_time_s = time.perf_counter() - t0
         eager_predicted = priced.eager_peak_bytes

@@ -205,6 +205,7 @@ def price_inplace(
     device: DeviceProfile | None = None,
     fsdp: FSDPConfig | None = None,
     calibration: Calibration | str | Path | None = None,
+    time_limit_s: float | None = None,
 ) -> EagerGraph:
     """Price ``model``'s eager step for an in-place plan.
 
@@ -226,6 +227,7 @@ def price_inplace(
                 time_ops=timer is not None,
                 timer=timer,
                 parent_spans=fsdp is None,
+                time_limit_s=time_limit_s,
             )
         return eg if fsdp is None else per_rank(model, eg, fsdp)
 

@@ -37,6 +37,7 @@ from planner.plans import GB, InplacePlan, Plan, gb_to_bytes
 from planner.priced import OnStep, _no_progress, check_trainable
 from planner.solvers.costgraph import Objective, check_objective
 from planner.solvers.errors import InvalidBudgetError, PlanFileError
+from planner.solvers.registry import DEFAULT_TIME_LIMIT_S
 
 FORMS = ("graph", "inplace")
 
@@ -151,10 +152,15 @@ class PlanOptions:
         return replace(self, device=profile)
 
     def price(
-        self, model: torch.nn.Module, example_input: Any, on_step: OnStep = _no_progress
+        self,
+        model: torch.nn.Module,
+        example_input: Any,
+        on_step: OnStep = _no_progress,
+        time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     ) -> PricedGraph | PricedInplace:
         """Steps 1 and 2 (:func:`price_form`) with these options, under ``autocast`` if set
-        (only pricing runs the model; the solve and the build are dtype-blind)."""
+        (only pricing runs the model; the solve and the build are dtype-blind). ``time_limit_s``:
+        tracing the in-place step for longer raises a ``PlannerError`` naming the module."""
         amp = nullcontext() if self.autocast is None else autocast_for(model, self.autocast)
         with amp:
             return price_form(
@@ -166,6 +172,7 @@ class PlanOptions:
                 fsdp=self.fsdp,
                 on_step=on_step,
                 calibration=self.calibration,
+                time_limit_s=time_limit_s,
             )
 
     @property
@@ -188,6 +195,7 @@ def price_form(
     fsdp: FSDPConfig | None = None,
     on_step: OnStep = _no_progress,
     calibration: Calibration | str | Path | None = None,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
 ) -> PricedGraph | PricedInplace:
     """Price one training step of ``model`` for plans of ``form`` (see :func:`plan` for
     ``device``, ``calibration`` and ``fsdp``, the latter in place only)."""
@@ -204,7 +212,13 @@ def price_form(
     check_trainable(model)
     on_step("estimate")  # one pass over the eager step: nothing is captured first
     eager = inplace_form.price_inplace(
-        model, example_input, loss_fn, device=profile, fsdp=fsdp, calibration=calibration
+        model,
+        example_input,
+        loss_fn,
+        device=profile,
+        fsdp=fsdp,
+        calibration=calibration,
+        time_limit_s=time_limit_s,
     )
     return PricedInplace(model, eager, example_input)
 
@@ -267,7 +281,8 @@ def plan(
     budget_bytes = budget_bytes_from_gb(mem_budget_gb)
     # fail on an unknown form, solver or option before the slow part
     options = PlanOptions.of(locals()).checked((solver,))
-    priced = options.price(model, example_input)
+    time_limit_s = solver_opts.get("time_limit_s", DEFAULT_TIME_LIMIT_S)
+    priced = options.price(model, example_input, time_limit_s=time_limit_s)
     return priced.plan(budget_bytes, solver, **options.solving, **solver_opts)
 
 

@@ -71,3 +71,18 @@ class CheckpointingConflictError(PlannerError):
 class LossFallbackWarning(UserWarning):
     """Planning found no loss (no ``loss_fn``, no ``.loss`` in the output) and differentiates the
     sum of the model's floating outputs instead."""
+
+
+class PricingTimeLimitError(PlannerError):
+    """Tracing the model's step to price it ran past the plan's time limit."""
+
+    def __init__(self, module_path: str | None) -> None:
+        self.module_path = module_path
+        where = (
+            "outside any module" if module_path is None else f"in {module_path or 'the model'!r}"
+        )
+        super().__init__(
+            f"pricing the step ran past the time limit, {where}: the model's forward or backward "
+            f"does not finish on fake tensors. Pass a larger time_limit_s if it is only slow, "
+            f"else please report the model (the module named here is where it was)."
+        )

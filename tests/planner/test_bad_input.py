@@ -218,3 +218,17 @@ def test_ilp_hitting_its_time_limit_falls_back_and_says_so():
     assert p.schedule.note in p.summary(verbose=True)  # solver internals: the verbose view
     assert "solver 'dp'" in p.summary()
     assert_same_step(model, p.module, x)
+
+
+class NeverEnds(torch.nn.Module):
+    """A forward whose tracing never finishes (as a model stuck in a loop would)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        while True:
+            x = x * 1.0
+
+
+def test_pricing_that_never_ends_stops_at_the_time_limit_naming_the_module():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), NeverEnds())
+    with pytest.raises(planner.PlannerError, match=r"past the time limit, in '1'"):
+        planner.plan(model, torch.randn(2, 4), 1.0, time_limit_s=0.5)
