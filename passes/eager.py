@@ -207,18 +207,23 @@ class _OpTracker(Tracker):
     def claim_pending(self) -> None:
         """Map the grad_fns autograd attached to earlier ops' outputs to those ops.
 
-        An output written in place since it was made is left to the op that wrote it: autograd
-        is rebasing its history, and a view's ``grad_fn`` read now replays the view under the
-        lock autograd holds (DeepSeek-V3's ``key_states[..., :n].copy_(...)`` deadlocked here).
-        Ops dispatched while claiming are the tracker's own, not the model's."""
+        A view written in place since it was made is left to the op that wrote it: autograd
+        may be rebasing its history right now, and its ``grad_fn`` read then replays the view
+        under the lock autograd holds (DeepSeek-V3's ``key_states[..., :n].copy_(...)``
+        deadlocked here). Ops dispatched while claiming are the tracker's own, not the model's."""
         pending, self.pending = self.pending, []
         self.internal += 1
         try:
             for i, refs in pending:
-                outs = [t for ref, made in refs if (t := ref()) is not None and t._version == made]
-                self.claim(outs, i)
+                alive = [(t, made) for ref, made in refs if (t := ref()) is not None]
+                self.claim([t for t, made in alive if not _rebased_view(t, made)], i)
         finally:
             self.internal -= 1
+
+
+def _rebased_view(t: torch.Tensor, version_made: int) -> bool:
+    """Whether ``t`` is a view written in place since its op returned (its history rebased)."""
+    return t._is_view() and t._version != version_made
 
 
 class _CallRecorder(ForwardWrapper):
