@@ -28,6 +28,7 @@ from planner.solvers.errors import (
 
 if TYPE_CHECKING:
     from planner.batch_search import BatchFit, fit_batch
+    from planner.caches import clear_caches
     from planner.calibration import Calibration, CalibrationError
     from planner.comparison import Comparison, compare
     from planner.device_budget import DeviceFit, device_fit, step_budget_gb
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 # module -> the public names it defines, loaded on first use
 _PUBLIC = {
     "planner.batch_search": ("BatchFit", "fit_batch"),
+    "planner.caches": ("clear_caches",),
     "planner.calibration": ("Calibration", "CalibrationError"),
     "planner.comparison": ("Comparison", "compare"),
     "planner.device_budget": ("DeviceFit", "device_fit", "step_budget_gb"),
@@ -107,6 +109,7 @@ __all__ = [
     "applied_plan",
     "Verification",
     "apply_plan",
+    "clear_caches",
     "compare",
     "device_fit",
     "fit_batch",

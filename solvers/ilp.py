@@ -44,7 +44,7 @@ the note says so.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -56,59 +56,21 @@ from planner.solvers.dp import (
     DEFAULT_COARSE_SPAN,
     DPOptions,
     coarse_cut_points,
-    prices,
     solve_dp,
 )
 from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.ilp_rows import Model, build
 from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.simulate import (
     frame_node,
-    offload_fetch_bytes,
-    offload_time_s,
-    region_peak,
     rule5_saves,
     simulate,
-    trigger_node,
 )
 
 FULL_NODES = 40  # up to this many nodes every interval is a candidate
 # Short spans on large graphs: half dp's, so the MILP on GPT-ref (about 1,200 candidates)
 # closes to a 1% gap within its time limit on a busy 2-core machine (2,100 at dp's span do not).
 ILP_SPAN = 4
-
-
-@dataclass
-class Model:
-    """A MILP in rows: minimise c.x subject to lo <= A x <= hi, x in [lb, ub], some integer."""
-
-    cost: list[float] = field(default_factory=list)
-    lb: list[float] = field(default_factory=list)
-    ub: list[float] = field(default_factory=list)
-    integer: list[bool] = field(default_factory=list)
-    rows: list[dict[int, float]] = field(default_factory=list)
-    row_lo: list[float] = field(default_factory=list)
-    row_hi: list[float] = field(default_factory=list)
-
-    def var(self, cost: float = 0.0, lb: float = 0.0, ub: float = 1.0, integer: bool = False):
-        self.cost.append(cost)
-        self.lb.append(lb)
-        self.ub.append(ub)
-        self.integer.append(integer)
-        return len(self.cost) - 1
-
-    def row(self, coef: dict[int, float], lo: float = -np.inf, hi: float = np.inf) -> None:
-        self.rows.append(coef)
-        self.row_lo.append(lo)
-        self.row_hi.append(hi)
-
-    def count_in(self, unit: float, columns: set[int]) -> None:
-        """Rows that hold any of ``columns`` (and so those columns) count in ``unit``s: their
-        other coefficients and their bounds are divided by it."""
-        for r, coef in enumerate(self.rows):
-            if not columns.isdisjoint(coef):
-                self.rows[r] = {k: c if k in columns else c / unit for k, c in coef.items()}
-                self.row_lo[r] /= unit
-                self.row_hi[r] /= unit
 
 
 def candidates(
@@ -146,218 +108,6 @@ def candidates(
         for a, b in sorted(pairs)
         if kind == "offload" or frame_node(saves, a, b) >= a
     ]
-
-
-def build(graph: CostGraph, budget_bytes: float, regions: list[Region]):
-    """The MILP for ``budget_bytes`` over candidate ``regions``; returns (model, x indices)."""
-    p = prices(graph)
-    n = p.n
-    mdl = Model()
-    # See simulate's Rule 7: what each offload candidate's nodes bring back in backward.
-    fetched = {
-        k: offload_fetch_bytes(graph, r.start, r.stop)
-        for k, r in enumerate(regions)
-        if r.kind == "offload"
-    }
-
-    def cost_s(k: int, r: Region) -> float:
-        """The time region ``r`` adds to the step: its recomputation, or the transfers it
-        exposes, and its bookkeeping."""
-        if r.kind == "offload":
-            added_s = offload_time_s(graph, r.start, r.stop, sum(fetched[k].values()))
-        else:
-            # Rule 5: the recomputation runs through the region's last saving node
-            last = (
-                r.stop - 1
-                if p.rule5_saves is None
-                else trigger_node(p.rule5_saves, r.start, r.stop)
-            )
-            added_s = p.prefix_time_s[last + 1] - p.prefix_time_s[r.start]
-        return added_s + p.overhead_s(r.start, r.stop, r.kind)
-
-    # In units of the dearest candidate / 1e9: both backends stop improving once the objective
-    # would move by less than about 1e-6 of its units (HiGHS's absolute gap, which scipy does
-    # not expose; CBC's increment), and an offload's exposed transfer is often far less than
-    # 1e-6 s: in seconds they could not tell two offload regions apart.
-    costs_s = [cost_s(k, r) for k, r in enumerate(regions)]
-    unit_s = max(costs_s, default=0.0) / 1e9 or 1.0
-    x = [mdl.var(c / unit_s, integer=True) for c in costs_s]
-    covering: list[list[int]] = [[] for _ in range(n)]  # candidates containing node i
-    for k, r in enumerate(regions):
-        for i in range(r.start, r.stop):
-            covering[i].append(k)
-    for i in range(n):
-        if len(covering[i]) > 1:
-            mdl.row({k: 1.0 for k in covering[i]}, hi=1.0)
-
-    def same(a: int, b: int) -> list[int]:  # candidates containing nodes a <= b
-        return [k for k in covering[a] if regions[k].stop > b]
-
-    # Reasons and the "kept by then" variables g[t][q].
-    n_t = len(p.size)
-    points: list[list[int]] = [[] for _ in range(n_t)]  # positions of t's reasons, sorted
-    g: list[list[int]] = [[] for _ in range(n_t)]
-    last = [0] * n_t
-    for t in range(n_t):
-        if not p.size[t] or t not in p.produced[p.producer[t]]:
-            continue  # empty, or held to the end of the step (priced with the gradients)
-        prod = p.producer[t]
-        savers = set(p.savers[t])
-        reasons = sorted({*savers, *p.needers[t]})
-        last[t] = max([prod, *p.needers[t]])
-        for pos in reasons:
-            v = mdl.var()
-            if g[t]:
-                mdl.row({v: 1.0, g[t][-1]: -1.0}, lo=0.0)
-            if pos in savers:  # g >= 1 - same(prod, pos)
-                coef = {v: 1.0}
-                for k in same(prod, pos):
-                    coef[k] = coef.get(k, 0.0) + 1.0
-                mdl.row(coef, lo=1.0)
-            else:  # a reader: g >= in(pos) - same(prod, pos)
-                coef = {v: 1.0}
-                for k in covering[pos]:
-                    coef[k] = coef.get(k, 0.0) - 1.0
-                for k in same(prod, pos):
-                    coef[k] = coef.get(k, 0.0) + 1.0
-                coef = {k: c for k, c in coef.items() if c}
-                mdl.row(coef, lo=0.0)
-            points[t].append(pos)
-            g[t].append(v)
-
-    def kept_by(t: int, k: int) -> int | None:
-        """g variable for "t has a reason before node k" (None: no reason point yet)."""
-        q = np.searchsorted(points[t], k, side="left")
-        return g[t][q - 1] if q else None
-
-    # fin[k]: kept bytes of storages whose last use is before node k.
-    fin = [mdl.var(ub=np.inf) for _ in range(n + 1)]
-    mdl.row({fin[0]: 1.0}, lo=0.0, hi=0.0)
-    ending: list[list[int]] = [[] for _ in range(n)]
-    for t in range(n_t):
-        if g[t]:
-            ending[last[t]].append(t)
-    for k in range(n):
-        coef = {fin[k + 1]: 1.0, fin[k]: -1.0}
-        for t in ending[k]:
-            coef[g[t][-1]] = coef.get(g[t][-1], 0.0) - p.size[t]
-        mdl.row(coef, lo=0.0, hi=0.0)
-    fin_max = [0] * (n + 1)  # fin[k] when everything is kept
-    for k in range(n):
-        fin_max[k + 1] = fin_max[k] + sum(p.size[t] for t in ending[k])
-
-    # Forward events (the first forward; regions do not change it but for what they keep).
-    alive = [0] * (n + 1)
-    for t in range(n_t):
-        if t in p.produced[p.producer[t]]:
-            end = n if p.is_output[t] else last[t]
-            alive[p.producer[t]] += p.size[t]
-            alive[end + 1 if end < n else n] -= p.size[t]
-    running = 0
-    outputs = [t for t in range(n_t) if p.is_output[t] and g[t]]
-    for i in range(n):
-        running += alive[i]
-        coef = {fin[i]: 1.0}
-        for t in outputs:  # outputs are already counted as alive to the end of forward
-            if last[t] < i:
-                coef[g[t][-1]] = coef.get(g[t][-1], 0.0) - p.size[t]
-        mdl.row(coef, hi=budget_bytes - running - p.fwd_temp[i] - p.held_fwd[i])
-
-    # Storages that cross node k (made before it, needed from it on) and may still be kept.
-    crossing: list[list[int]] = [[] for _ in range(n + 1)]
-    for t in range(n_t):
-        if g[t]:
-            for k in range(p.producer[t] + 1, last[t] + 1):
-                crossing[k].append(t)
-
-    # Backward of an unchecked node i.
-    for i in range(n):
-        const = p.grad_at_bwd[i] + p.bwd_temp[i]
-        coef = {fin[i + 1]: 1.0}
-        for t in crossing[i + 1]:
-            v = kept_by(t, i + 1)
-            if v is not None:
-                coef[v] = coef.get(v, 0.0) + p.size[t]
-        # The row's largest possible left side, so big-M is no bigger than it must be (a loose
-        # big-M makes the LP relaxation, and so branch and bound, weak).
-        most = fin_max[i + 1] + sum(p.size[t] for t in crossing[i + 1])
-        big_m = max(0.0, most - (budget_bytes - const))
-        if big_m == 0.0:
-            continue  # never binding
-        for k in covering[i]:
-            if regions[k].kind != "offload":  # an offload region's own row is tighter
-                coef[k] = coef.get(k, 0.0) - big_m
-        mdl.row(coef, hi=budget_bytes - const)
-
-    # Backward of node i inside an offload region: unchecked, plus what i brings back from
-    # host, with the region's arguments (made before it, a reason inside it) kept to its end.
-    for k, r in enumerate(regions):
-        if r.kind != "offload":
-            continue
-        for i in range(r.start, r.stop):
-            const = p.grad_at_bwd[i] + p.bwd_temp[i] + fetched[k].get(i, 0)
-            if const > budget_bytes:
-                mdl.ub[k] = 0.0
-                break
-            coef = {fin[i + 1]: 1.0}
-            for t in crossing[i + 1]:
-                v = kept_by(t, r.stop if p.producer[t] < r.start else i + 1)
-                if v is not None:
-                    coef[v] = coef.get(v, 0.0) + p.size[t]
-            most = fin_max[i + 1] + sum(p.size[t] for t in crossing[i + 1])
-            big_m = max(0.0, most - (budget_bytes - const))
-            if big_m > 0.0:
-                coef[k] = big_m
-                mdl.row(coef, hi=budget_bytes - const + big_m)
-
-    # Each candidate recompute region: what the step keeps meanwhile plus its own working set.
-    for k, r in enumerate(regions):
-        if r.kind == "offload":
-            continue
-        # Rules 4 and 5 (the trailing nodes' backward first, the recomputation stopping after
-        # the trigger's last save) as region_peak prices them
-        trigger = None if p.rule5_saves is None else trigger_node(p.rule5_saves, r.start, r.stop)
-        # Rule 2: the region's frame (its arguments) dies at the backward of its first saving
-        # node; the backward of the nodes before it is a row of its own
-        first = frame_node(p.rule5_saves, r.start, r.stop)
-        own = region_peak(p, r.start, r.stop, trigger=trigger, frame=(first, None))
-        if first > r.start:
-            lead = max(p.grad_at_bwd[i] + p.bwd_temp[i] for i in range(r.start, first))
-            if lead > budget_bytes:
-                mdl.ub[k] = 0.0
-                continue
-            # what was kept before the region began, nothing of its own (its nodes before
-            # ``first`` save nothing)
-            coef = {fin[r.start]: 1.0}
-            for t in crossing[r.start]:
-                v = kept_by(t, r.start)
-                if v is not None:
-                    coef[v] = coef.get(v, 0.0) + p.size[t]
-            most = fin_max[r.start] + sum(c for v, c in coef.items() if v != fin[r.start])
-            big_m = max(0.0, most - (budget_bytes - lead))
-            if big_m > 0.0:
-                coef[k] = big_m
-                mdl.row(coef, hi=budget_bytes - lead + big_m)
-        coef = {fin[r.stop]: 1.0}
-        for t in crossing[r.stop]:
-            if p.producer[t] < r.start:
-                v = kept_by(t, r.stop)
-                if v is not None:
-                    coef[v] = coef.get(v, 0.0) + p.size[t]
-        most = fin_max[r.stop] + sum(c for v, c in coef.items() if v != fin[r.stop])
-        if own > budget_bytes:
-            mdl.ub[k] = 0.0  # cannot fit whatever else is kept
-            continue
-        big_m = max(0.0, most - (budget_bytes - own))
-        if big_m > 0.0:
-            coef[k] = big_m
-            mdl.row(coef, hi=budget_bytes - own + big_m)
-    # Every row in bytes holds a fin variable, which has a coefficient of one in each. Counted
-    # in millionths of the budget (bytes on small budgets): with 1-byte and 3e10-byte
-    # coefficients in one row HiGHS's MIP called the dearest candidate optimal, at 33 times the
-    # cost of a schedule the same MILP admits (a 2-layer Llama-7B shape at 32k tokens on H100).
-    mdl.count_in(max(1.0, budget_bytes / 1e6), set(fin))
-    return mdl, x
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 
@@ -62,20 +61,17 @@ def test_auto_passes_each_solver_its_own_options():
 
 
 def test_dp_returns_within_its_time_limit_and_says_so():
-    """A 3,000-node random chain takes dp many seconds; with a 0.3 s limit it answers in about
-    that long with a feasible schedule, and its note says what was cut short."""
+    """A 3,000-node random chain takes dp many seconds; with a 0.3 s limit it answers with a
+    feasible schedule, and its note says what was cut short. (How long it takes is the
+    solver benchmarks' to time; the levels' timing against the limit is checked on a fake
+    clock in test_dp.)"""
     import random
 
     graph = random_chain(random.Random(0), 3000)
     eager = simulate(graph, Schedule()).peak_bytes
-    start = time.perf_counter()
     s = solve_dp(graph, eager * 0.6, time_limit_s=0.3)
-    elapsed = time.perf_counter() - start
     assert simulate(graph, s).peak_bytes <= eager * 0.6
     assert "time limit (0.3 s)" in s.note, s.note
-    # 0.3 s of search plus a few replays by simulate (0.6 s measured at load 2, about 8x that
-    # at load 15); the unlimited search took 16.6 s (wall, load about 7)
-    assert elapsed < 10.0, elapsed
 
 
 def test_auto_says_what_its_time_limit_cut_short():

@@ -1,0 +1,73 @@
+"""Every cache this process keeps, listed in one place, and one way to clear them all.
+
+A plan reuses what an earlier one in the same process measured or solved: op timings, the
+device's fitted overheads, calibrations, priced models, dp's solved levels. ``clear_caches()``
+drops them all, so the next plan measures and solves as a fresh process would (the calibration
+files on disk stay). ``tests/planner/test_caches.py`` checks that no module-level cache in
+planner, passes or solvers is missing from :data:`CLEARED` or :data:`KEPT`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ProcessCache:
+    """A module-level cache: ``attribute`` of ``module`` (a dict, or a ``functools.cache``)."""
+
+    module: str
+    attribute: str
+    holds: str
+
+    def target(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.attribute)
+
+    def clear(self) -> None:
+        target = self.target()
+        if hasattr(target, "cache_clear"):
+            target.cache_clear()
+        else:
+            target.clear()
+
+
+_TIMING = "planner.passes.op_timing"
+CLEARED: tuple[ProcessCache, ...] = (
+    ProcessCache(_TIMING, "_TIMES", "each op call's time, by device"),
+    ProcessCache(_TIMING, "_WORKSPACE_BYTES", "each CUDA call's kernel workspace"),
+    ProcessCache(_TIMING, "_OVERHEAD_S", "the host's time per aten call, by device"),
+    ProcessCache(_TIMING, "_CHECKPOINT_OVERHEAD", "the fitted checkpoint overhead, by device"),
+    ProcessCache(_TIMING, "_mapping_costs_s", "a fresh page's fault and unmap costs"),
+    ProcessCache(_TIMING, "_at_start_up", "glibc's threshold for mapping a block afresh"),
+    ProcessCache(_TIMING, "_eviction_buffer", "the buffer written to evict the CPU's caches"),
+    ProcessCache(_TIMING, "_clock_cost_s", "what reading the CPU clock twice adds"),
+    ProcessCache("planner.calibration", "_PROCESS", "calibrations read or measured"),
+    ProcessCache("planner.calibration", "_PRICED", "the last few models' pricings"),
+    ProcessCache("planner.devices", "_MEASURED", "the device's measured rates"),
+    ProcessCache("planner.solvers.dp", "_SOLVED_CACHE", "dp's solved levels"),
+    ProcessCache("planner.solvers.dp", "_LEAST_CACHE", "dp's least feasible budgets"),
+)
+
+# Module-level tables that are not caches of what was measured or solved, and stay.
+KEPT: tuple[ProcessCache, ...] = (
+    ProcessCache("planner.calibration", "MEASUREMENTS", "a count of what was measured"),
+    ProcessCache("planner.devices", "PROFILES", "the named devices' datasheet rates"),
+    ProcessCache(
+        "planner.inplace",
+        "_TRACED_KEYS",
+        "compiled selective regions' keys: cleared, a compiled model's regions would retrace",
+    ),
+    ProcessCache("planner.inplace", "_TRACED", "compiled selective regions, held weakly"),
+    ProcessCache("planner.devices", "_GPU_PEAKS", "the named GPUs' datasheet peaks"),
+    ProcessCache("planner.passes.trace", "_FLOP_FORMULAS", "torch's FLOP formulas, by op"),
+    ProcessCache("planner.solvers.registry", "SOLVERS", "the solvers, by name"),
+)
+
+
+def clear_caches() -> None:
+    """Forget what this process measured and solved (every cache in :data:`CLEARED`): the next
+    plan measures and solves as in a fresh process. Calibration files on disk stay."""
+    for cache in CLEARED:
+        cache.clear()
