@@ -61,6 +61,7 @@ KEPT: tuple[ProcessCache, ...] = (
     ),
     ProcessCache("planner.inplace", "_TRACED", "compiled selective regions, held weakly"),
     ProcessCache("planner.devices", "_GPU_PEAKS", "the named GPUs' datasheet peaks"),
+    ProcessCache("planner.devices", "_GPU_CAPABILITY", "the named GPUs' compute capabilities"),
     ProcessCache("planner.passes.trace", "_FLOP_FORMULAS", "torch's FLOP formulas, by op"),
     ProcessCache("planner.solvers.registry", "SOLVERS", "the solvers, by name"),
 )
