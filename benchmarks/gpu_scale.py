@@ -13,6 +13,7 @@ applied in place on a fresh model, measured the same way (``planner.measure``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import time
@@ -30,19 +31,22 @@ from torch.utils.checkpoint import (
 
 import planner
 from planner.measurement import measure
+from planner.solvers.sac import SAVE_LIST
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9
 
-# torchtitan's _save_list (torchtitan/distributed/activation_checkpoint.py, as shipped)
-_SAVE_LIST = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops.aten.max.default,
-}
+
+def _torch_op(name: str) -> Any:
+    """The op named as our nodes name it ("aten.mm.default"), or None where this torch lacks it."""
+    try:
+        return functools.reduce(getattr, name.split("."), torch.ops)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# torchtitan's _op_sac_save_list, as the ``sac`` solver prices it (solvers/sac.py)
+_SAVE_LIST = {op for name in SAVE_LIST if (op := _torch_op(name)) is not None}
 
 
 @dataclass(frozen=True)
