@@ -148,8 +148,9 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     """A boolean mask as the dispatcher makes it before any kernel: 0 where kept, -inf not."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask.logical_not(), float("-inf"), zero)
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    minus_inf = torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, minus_inf)
 
 
 def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
