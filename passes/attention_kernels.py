@@ -217,14 +217,14 @@ class TargetAttention(TorchFunctionMode):
             grouped_query=k.shape[-3] != q.shape[-3],
             square=q.shape[-2] == k.shape[-2],
         )
-        if self.target.device_type == "cpu":
+        if self.target.kernels == "cpu":
             rest = {n: b[n] for n in ("dropout_p", "is_causal", "scale", "enable_gqa")}
             backend = cpu_backend((q, k, v, b["attn_mask"]), **rest)
             why = "as torch dispatches it on the CPU"
         else:
             backend, why = cuda_backend(call, self.target.compute_capability)
         self.chosen.setdefault((backend, call.describe()), why)
-        return _run(backend, b, self.target.device_type)
+        return _run(backend, b, self.target.kernels)
 
     def summary(self) -> str:
         """One line per distinct choice: ``flash (bfloat16, head dim 128, ...): why``."""
@@ -234,4 +234,4 @@ class TargetAttention(TorchFunctionMode):
 def prices_other_kernels(target: DeviceProfile, model_device: torch.device) -> bool:
     """Whether a model on ``model_device`` runs other attention kernels than ``target`` does
     (then :class:`TargetAttention` prices the target's)."""
-    return model_device.type != target.device_type
+    return model_device.type != target.kernels

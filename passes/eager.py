@@ -157,7 +157,7 @@ class _OpTracker(Tracker):
         # the target device's attention kernels, where the plan is for another device than the
         # model's (``passes/attention_kernels.py``); every run of the model prices them alike
         self.attention = attention
-        self.cuda_blocks = attention is not None and attention.target.device_type == "cuda"
+        self.cuda_blocks = attention is not None and attention.target.kernels == "cuda"
         self.deadline = math.inf  # time.monotonic() past which tracing stops (eager_graph)
         self.path_stack: list[str] = []
         self.counts: dict[tuple[str, str], int] = defaultdict(int)

@@ -17,9 +17,10 @@ class DeviceProfile:
     is not the device's, so offloading frees device memory (False on a CPU, where solvers then
     never offload). ``offload_overlap``: the share of an offload region's own compute its
     transfers hide behind (simulate's Rule 7). ``device_type``: the kernels it runs, "cuda" or
-    "cpu" (a plan made elsewhere prices the ops whose kernel depends on the device, fused
-    attention, as this one runs them); ``compute_capability``: a CUDA device's (major, minor),
-    which decides among its attention kernels (None: unknown, the largest candidate is priced).
+    "cpu" (None: by ``host_link``); a plan made elsewhere prices the ops whose kernel depends
+    on the device, fused attention, as this one runs them. ``compute_capability``: a CUDA
+    device's (major, minor), which decides among its attention kernels (None: unknown, the
+    largest candidate is priced).
     """
 
     name: str
@@ -28,8 +29,14 @@ class DeviceProfile:
     host_bytes_per_s: float
     host_link: bool = True
     offload_overlap: float = 0.0
-    device_type: str = "cuda"
+    device_type: str | None = None
     compute_capability: tuple[int, int] | None = None
+
+    @property
+    def kernels(self) -> str:
+        """Whose kernels the device runs, "cuda" or "cpu": ``device_type``, else a device
+        with its own memory (``host_link``) is taken for a CUDA GPU, one without for a CPU."""
+        return self.device_type or ("cuda" if self.host_link else "cpu")
 
     def __post_init__(self) -> None:
         for field_name in ("flops_per_s", "bytes_per_s", "host_bytes_per_s"):

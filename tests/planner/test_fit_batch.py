@@ -138,7 +138,7 @@ def test_the_graph_form_sweeps_the_captured_graph():
 def test_fit_batch_takes_plans_options_in_both_forms():
     model = gpt_small()
     eager_2 = planner.plan(model, make_input(2), 100, solver="none", device="h100")
-    cap_gb = 0.7 * eager_2.baseline_peak_bytes / 1e9  # batch 2 must recompute FLOPs
+    cap_gb = 0.75 * eager_2.baseline_peak_bytes / 1e9  # batch 2 must recompute FLOPs
     options = dict(device="h100", objective="flops")
     for form in ("inplace", "graph"):
         fit = planner.fit_batch(model, make_input, cap_gb, batch_sizes=[2], form=form, **options)
@@ -153,7 +153,7 @@ def test_fit_batch_takes_plans_options_in_both_forms():
 def test_fit_batch_keeps_to_a_flops_cap():
     model = gpt_small()
     eager_2 = planner.plan(model, make_input(2), 100, solver="none", device="h100")
-    cap_gb = 0.7 * eager_2.baseline_peak_bytes / 1e9  # at 80% a plan recomputing no FLOPs fits
+    cap_gb = 0.75 * eager_2.baseline_peak_bytes / 1e9  # at 80% a plan recomputing no FLOPs fits
     least = planner.plan(model, make_input(2), cap_gb, device="h100", objective="flops")
     least_fraction = least.predicted_recompute_flops / least.step_flops
     assert least_fraction > 0
