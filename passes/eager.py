@@ -44,7 +44,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -265,18 +265,15 @@ def _recording_calls(model: torch.nn.Module, tracker: _OpTracker) -> Iterator[di
     calls: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
     installed: list[tuple[_CallRecorder, torch.nn.Module]] = []
     try:
-        if tracker.attention is not None:
-            tracker.attention.__enter__()
         for path, module in model.named_modules():
             recorder = _CallRecorder(path, tracker, calls)
             recorder.install(module)
             installed.append((recorder, module))
-        yield calls
+        with tracker.attention or nullcontext():  # the target's attention kernels, if another
+            yield calls
     finally:
         for recorder, module in reversed(installed):
             recorder.uninstall(module)
-        if tracker.attention is not None:
-            tracker.attention.__exit__(None, None, None)
 
 
 class _AllOnes(TorchFunctionMode):
