@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
+from planner.passes.kernel_storages import real_storage_bytes
 from planner.passes.nodes import written_arguments
 from planner.passes.op_timing import OpCall, op_call
 from planner.passes.step import (
@@ -57,11 +58,13 @@ _GROUPED_MM = _GROUPED_MM.default if _GROUPED_MM is not None else None
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator's smallest block, and its rounding
 
 
-def allocated_bytes(t: torch.Tensor, cuda_blocks: bool = False) -> int:
+def allocated_bytes(
+    t: torch.Tensor, cuda_blocks: bool = False, storage_bytes: int | None = None
+) -> int:
     """The device memory ``t``'s storage takes: on CUDA (or priced for CUDA: ``cuda_blocks``)
     the caching allocator rounds every block up to a multiple of 512 bytes, elsewhere its
-    bytes."""
-    nbytes = t.untyped_storage().nbytes()
+    bytes. ``storage_bytes``: the storage's size where the real kernel's differs from ``t``'s."""
+    nbytes = t.untyped_storage().nbytes() if storage_bytes is None else storage_bytes
     if t.device.type != "cuda" and not cuda_blocks:
         return nbytes
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
@@ -258,9 +261,10 @@ class Tracker(TorchDispatchMode):
             self.moved_bytes[where] += moved
         call = op_call(func, args, kwargs, flat) if self.record_calls else None
         allocated = []  # the storages this call allocates, for a recorded call's price
+        storage_bytes = real_storage_bytes(func, args, kwargs)
         for t in outs:
             new = self.record_calls and self.lookup(t) is None
-            rec = self.track(t)
+            rec = self.track(t, storage_bytes)
             if new and rec is not None:
                 allocated.append(rec.nbytes)
         if self.record_calls:
@@ -299,12 +303,13 @@ class Tracker(TorchDispatchMode):
                 elif rec.phase == "ext":
                     self.state_written[self.node][id(rec)] = rec.nbytes
 
-    def track(self, t: torch.Tensor) -> Storage | None:
+    def track(self, t: torch.Tensor, storage_bytes: int | None = None) -> Storage | None:
         st = t.untyped_storage()
         rec = self.by_key.get(st._cdata)
         if rec is not None:
             return rec
-        rec = Storage(nbytes=allocated_bytes(t, self.cuda_blocks), node=self.node, phase=self.phase)
+        nbytes = allocated_bytes(t, self.cuda_blocks, storage_bytes)
+        rec = Storage(nbytes=nbytes, node=self.node, phase=self.phase)
         self.by_key[st._cdata] = rec
         self.allocated[(self.phase, self.node)].append(rec)
         if self.outside_node:
