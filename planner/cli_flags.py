@@ -206,6 +206,7 @@ def anchor_names(text: str | None, form: str) -> tuple[str, ...] | None:
 
 
 def factory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--factory-kwargs as the keywords FACTORY is called with."""
     try:
         kwargs = json.loads(args.factory_kwargs) if args.factory_kwargs else {}
     except json.JSONDecodeError as e:

@@ -210,6 +210,7 @@ def make_inputs(shapes: Sequence[str], dtypes: Sequence[str] | None, int_high: i
 
 
 def to_device(example_input: Any, device: Any) -> Any:
+    """``example_input`` (a tensor, or a dict, tuple or list of them) moved to ``device``."""
     import torch
 
     if isinstance(example_input, torch.Tensor):
