@@ -7,8 +7,10 @@ python -m planner plan transformers:LlamaForCausalLM --hf-config '{"num_hidden_l
 python -m planner compare benchmarks.models:unet_example --budgets 0.5GB,1GB --measure
 python -m planner fit-batch benchmarks.plan_7b:llama_for_batch --budget 80GB --device h100
 
-torch and planner's modules are imported inside the commands, not here, so that ``--help`` and
-usage errors answer at once (no import cycle hides behind them).
+The flags are read in ``planner/cli_flags.py``, the user's model built in
+``planner/cli_model.py``, the commands run in ``planner/cli_commands.py``; this module holds the
+parser and ``main``. torch and planner's other modules are imported inside the commands, not at
+import, so that ``--help`` and usage errors answer at once (no import cycle hides behind them).
 """
 
 from __future__ import annotations
