@@ -32,8 +32,9 @@ from planner.fsdp import FSDPConfig
 from planner.passes.step import LossFn
 from planner.planning import PlanOptions, budget_bytes_from_gb
 from planner.plans import Plan
+from planner.priced import Priced
 from planner.report import data_frame, format_bytes, format_ms, plain_text
-from planner.solvers.costgraph import Objective
+from planner.solvers.costgraph import CostGraph, Objective
 from planner.solvers.errors import InfeasibleBudgetError, RecomputeCapError
 from planner.solvers.registry import SharedTimeLimit, default_time_limit_s
 
@@ -71,6 +72,43 @@ class BatchRow:
     eager_samples_per_s: float
     # no fit and no least known: the solver ran out of time before it knew (least_bytes None)
     cut_short: bool = False
+
+    @classmethod
+    def of_plan(cls, batch_size: int, p: Plan, eager: Mapping[str, Any]) -> BatchRow:
+        """The row of a size plan ``p`` fits; ``eager``: the eager fields."""
+        return cls(
+            batch_size=batch_size,
+            fits=True,
+            solver=p.solver,
+            regions=len(p.regions),
+            predicted_peak_bytes=p.predicted_peak_bytes,
+            predicted_step_time_s=p.predicted_step_time_s,
+            samples_per_s=batch_size / p.predicted_step_time_s,
+            least_bytes=None,
+            **eager,
+        )
+
+    @classmethod
+    def no_fit(
+        cls,
+        batch_size: int,
+        least_bytes: int | None,
+        eager: Mapping[str, Any],
+        cut_short: bool = False,
+    ) -> BatchRow:
+        """The row of a size no plan fits; ``eager``: the eager fields."""
+        return cls(
+            batch_size=batch_size,
+            fits=False,
+            solver=None,
+            regions=None,
+            predicted_peak_bytes=None,
+            predicted_step_time_s=None,
+            samples_per_s=None,
+            least_bytes=least_bytes,
+            **eager,
+            cut_short=cut_short,
+        )
 
 
 @dataclass(frozen=True)
@@ -272,16 +310,8 @@ def fit_batch(
         for k, b in enumerate(bar):
             bar.set_description(f"fit_batch: batch {b}")
             priced = options.price(model, make_input(b))
-            graph = priced.graph
-            device_name = graph.meta.get("device", "") + (
-                " (ops timed)" if graph.meta["timing"].startswith("ops timed") else " (roofline)"
-            )
-            eager_s = graph.step_time_s
-            eager = dict(
-                eager_peak_bytes=priced.eager_peak_bytes,
-                eager_step_time_s=eager_s,
-                eager_samples_per_s=b / eager_s,
-            )
+            device_name = _device_name(priced.graph)
+            eager = _eager_columns(priced, b)
             try:
                 # a sweep stops at the first size that does not fit, usually long before the
                 # list's end: a share of what is left as if at most SWEEP_SHARES sizes remained
@@ -296,68 +326,65 @@ def fit_batch(
                     )
             except InfeasibleBudgetError as e:
                 # min_bytes None: the solver ran out of time before it knew the least
-                cut_short = e.min_bytes is None
-                rows.append(
-                    BatchRow(
-                        b,
-                        False,
-                        None,
-                        None,
-                        None,
-                        None,
-                        None,
-                        e.min_bytes,
-                        **eager,
-                        cut_short=cut_short,
-                    )
-                )
+                rows.append(BatchRow.no_fit(b, e.min_bytes, eager, cut_short=e.min_bytes is None))
                 if sweep:
                     break  # a larger batch needs more still
                 continue
             except RecomputeCapError as e:  # fits the cap only by recomputing more than allowed
                 cap_errors.append(e)
-                rows.append(BatchRow(b, False, None, None, None, None, None, None, **eager))
+                rows.append(BatchRow.no_fit(b, None, eager))
                 if sweep:
                     break  # a larger batch needs more still
                 continue
-            samples_per_s = b / p.predicted_step_time_s
-            rows.append(
-                BatchRow(
-                    b,
-                    True,
-                    p.solver,
-                    len(p.regions),
-                    p.predicted_peak_bytes,
-                    p.predicted_step_time_s,
-                    samples_per_s,
-                    None,
-                    **eager,
-                )
-            )
+            rows.append(BatchRow.of_plan(b, p, eager))
             plans[b] = p
     bar.close()
     fitting = [r for r in rows if r.fits]
-    if not fitting and cap_errors and rows[0].least_bytes is None:
-        raise cap_errors[0]
-    if not fitting and rows[0].cut_short:
-        raise InfeasibleBudgetError(
-            cap_bytes,
-            None,
-            f"No batch size fits: at batch size {rows[0].batch_size}, the smallest tried, the "
-            f"solver ran out of time before it found a fit or knew the least.",
-        )
     if not fitting:
-        first, least = rows[0].batch_size, rows[0].least_bytes or 0
-        raise InfeasibleBudgetError(
-            cap_bytes,
-            least,
-            f"No batch size fits: batch size {first}, the smallest tried, needs at least "
-            f"{format_bytes(least)} ({least / 1e9:.3f} GB).",
-        )
+        raise _no_fit(rows, cap_errors, cap_bytes)
     return BatchFit(
         rows=tuple(rows),
         cap_bytes=cap_bytes,
         device=device_name,
         best_batch_size=pick(fitting),
         plans=plans,
+    )
+
+
+def _device_name(graph: CostGraph) -> str:
+    """Whose time a priced step predicts, and how: its device, ops timed or a roofline."""
+    timing = " (ops timed)" if graph.meta["timing"].startswith("ops timed") else " (roofline)"
+    return graph.meta.get("device", "") + timing
+
+
+def _eager_columns(priced: Priced, batch_size: int) -> dict[str, Any]:
+    """A row's fields for the step without checkpointing, whether or not it fits the cap."""
+    eager_s = priced.graph.step_time_s
+    return dict(
+        eager_peak_bytes=priced.eager_peak_bytes,
+        eager_step_time_s=eager_s,
+        eager_samples_per_s=batch_size / eager_s,
+    )
+
+
+def _no_fit(
+    rows: Sequence[BatchRow], cap_errors: Sequence[RecomputeCapError], cap_bytes: int
+) -> Exception:
+    """What ``fit_batch`` raises when no batch size tried fits: the FLOPs cap's error where
+    only the cap stood in the way, else an InfeasibleBudgetError about the smallest size."""
+    if cap_errors and rows[0].least_bytes is None:
+        return cap_errors[0]
+    if rows[0].cut_short:
+        return InfeasibleBudgetError(
+            cap_bytes,
+            None,
+            f"No batch size fits: at batch size {rows[0].batch_size}, the smallest tried, the "
+            f"solver ran out of time before it found a fit or knew the least.",
+        )
+    first, least = rows[0].batch_size, rows[0].least_bytes or 0
+    return InfeasibleBudgetError(
+        cap_bytes,
+        least,
+        f"No batch size fits: batch size {first}, the smallest tried, needs at least "
+        f"{format_bytes(least)} ({least / 1e9:.3f} GB).",
     )

@@ -165,6 +165,7 @@ class PricedInplace(Priced):
     example_input: Any = None  # the shape the applied plan guards (planner/guard.py)
 
     form: ClassVar[str] = FORM
+    form_solvers: ClassVar[tuple[str, ...] | None] = SPAN_SOLVERS
 
     @property
     def graph(self) -> CostGraph:  # type: ignore[override]

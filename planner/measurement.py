@@ -5,7 +5,7 @@ peak bytes allocated above the step's starting baseline (DESIGN.md budget semant
 buffers, inputs and optimizer state are the baseline; activations, temporaries and the parameter
 gradients created in backward count), the bytes autograd keeps for backward, and the wall time.
 
-Three ways to see memory, picked by ``method``:
+Three ways to see memory, picked by ``method`` (each in ``planner/step_memory.py``):
 
 - ``"tracker"`` (CPU default): a TorchDispatchMode that adds each new untyped storage's bytes
   when an op first returns it and subtracts them through a ``weakref.finalize`` on the storage.
@@ -33,21 +33,18 @@ import math
 import statistics
 import time
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
-from torch.utils.weak import WeakIdKeyDictionary
 
 from planner.passes.step import (
     LossFn,
@@ -59,7 +56,7 @@ from planner.passes.step import (
     taken_input,
     training_loss,
 )
-from planner.passes.trace import allocated_bytes
+from planner.step_memory import LiveStorageTracker, cuda_step, profiled_step, tracked_step
 
 METHODS = ("auto", "tracker", "cuda", "profiler")
 
@@ -108,7 +105,7 @@ def measure(
     if method == "cuda" and device.type != "cuda":
         raise ValueError(f"method='cuda' needs a CUDA model, this one is on {device}")
 
-    measure_step = {"tracker": _tracked_step, "cuda": _cuda_step, "profiler": _profiled_step}
+    measure_step = {"tracker": tracked_step, "cuda": cuda_step, "profiler": profiled_step}
     with _restored_state(module_or_model, device):
         for _ in range(warmup):
             _step(module_or_model, example_input, loss_fn)
@@ -119,17 +116,15 @@ def measure(
             # storages born in the step. A full collection walks every Python object (0.3-0.5 s
             # with transformers imported), so only where it matters.
             gc.collect()
-        peak_bytes, saved_bytes, timeline, peak_event = measure_step[method](
-            module_or_model, example_input, loss_fn, device
-        )
+        memory = measure_step[method](module_or_model, example_input, loss_fn, device)
         times = _timed_steps(module_or_model, example_input, loss_fn, device, repeats)
     return Measurement(
-        peak_bytes=peak_bytes,
-        saved_bytes=saved_bytes,
+        peak_bytes=memory.peak_bytes,
+        saved_bytes=memory.saved_bytes,
         step_time_s=times.step_s,
-        timeline=tuple(timeline),
+        timeline=memory.timeline,
         method=method,
-        peak_event=peak_event,
+        peak_event=memory.peak_event,
     )
 
 
@@ -280,137 +275,7 @@ def _timed_steps(
     return StepTime(statistics.median(forward_s), statistics.median(backward_s))
 
 
-# --- the CPU live-storage tracker --------------------------------------------------------------
-
-
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        # DTensor (FSDP2's parameters) lists its device mesh next to its local tensor
-        inner = [getattr(t, a) for a in attrs]
-        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
-    if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
-        return []
-    return [t.untyped_storage()]
-
-
-class _LiveStorageTracker(TorchDispatchMode):
-    """Live bytes of the storages created while active, and their peak, op by op."""
-
-    def __init__(self, baseline: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.phase = "forward"
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self.peak_event = ""
-        self.timeline: list[tuple[str, int]] = []
-        # storage -> [bytes counted] for storages born in the step, None for baseline storages
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._finalizers: list[weakref.finalize] = []
-        for t in baseline:
-            for st in _storages(t):
-                self._seen[st] = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        input_ids = None
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            for st in _storages(t):
-                cell = self._seen.get(st, False)
-                if cell is None:
-                    continue  # a baseline storage (parameter, buffer, input) or a view of one
-                if cell is not False:
-                    self._resized(st, cell)
-                    continue
-                if input_ids is None:
-                    input_ids = {
-                        id(s)
-                        for a in tree_leaves((args, kwargs))
-                        if isinstance(a, torch.Tensor)
-                        for s in _storages(a)
-                    }
-                if id(st) in input_ids:
-                    # a view or in-place result of a storage that predates the step
-                    self._seen[st] = None
-                    continue
-                self._born(st)
-        self.mark(f"{self.phase}:{func}")
-        return out
-
-    def __enter__(self) -> _LiveStorageTracker:
-        # torch.utils.checkpoint stashes the CPU RNG state per call (preserve_rng_state) and
-        # fork_rng copies it again around a recomputation: real CPU allocations that no op
-        # dispatches, so they are counted as torch.get_rng_state returns them.
-        self._get_rng_state = torch.get_rng_state
-
-        def get_rng_state() -> torch.Tensor:
-            state = self._get_rng_state()
-            self._born(state.untyped_storage())
-            return state
-
-        torch.get_rng_state = get_rng_state
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        torch.get_rng_state = self._get_rng_state
-        super().__exit__(*exc)
-
-    def _born(self, st: torch.UntypedStorage) -> None:
-        cell = [st.nbytes()]
-        self._seen[st] = cell
-        self._finalizers.append(weakref.finalize(st, self._died, cell))
-        self.live_bytes += cell[0]
-
-    def _resized(self, st: torch.UntypedStorage, cell: list[int]) -> None:
-        nbytes = st.nbytes()
-        if nbytes != cell[0]:  # resize_ on an out= argument or a storage we already count
-            self.live_bytes += nbytes - cell[0]
-            cell[0] = nbytes
-
-    def _died(self, cell: list[int]) -> None:
-        self.live_bytes -= cell[0]
-
-    def mark(self, label: str) -> None:
-        self.timeline.append((label, self.live_bytes))
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes, self.peak_event = self.live_bytes, label
-
-    def detach(self) -> None:
-        """Stop listening for frees: storages still alive (gradients) outlive the tracker."""
-        for f in self._finalizers:
-            f.detach()
-        self._finalizers.clear()
-
-
-def _baseline_tensors(module: torch.nn.Module, example_input: Any) -> list[torch.Tensor]:
-    args, kwargs = split_input(example_input)
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return [*module.parameters(), *module.buffers(), *inputs]
-
-
-def _tracked_step(
-    module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, device: torch.device
-) -> tuple[int, int, list[tuple[str, int]], str]:
-    tracker = _LiveStorageTracker(_baseline_tensors(module, example_input))
-    try:
-        with tracker:
-            with amp_forward():
-                output = call(module, example_input, loss_fn)
-                tracker.phase = "loss"
-                loss = training_loss(output, loss_fn, example_input)
-                del output  # whatever backward needs, autograd keeps alive
-            tracker.mark("loss:end")
-            saved_bytes = tracker.live_bytes - loss.untyped_storage().nbytes()
-            tracker.phase = "backward"
-            with amp_backward():
-                loss.backward()
-            del loss
-            tracker.mark("backward:end")
-    finally:
-        tracker.detach()
-    return tracker.peak_bytes, saved_bytes, tracker.timeline, tracker.peak_event
+# --- the peak over a stretch of the caller's own loop ------------------------------------------
 
 
 class StepPeak:
@@ -431,7 +296,7 @@ class StepPeak:
         self.module = module
         self.device = _device_of(module, None)
         self.method = "cuda" if self.device.type == "cuda" else "tracker"
-        self._tracker: _LiveStorageTracker | None = None
+        self._tracker: LiveStorageTracker | None = None
         self._base_bytes = 0
         self.running = False
 
@@ -442,7 +307,7 @@ class StepPeak:
             self._base_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self._tracker = _LiveStorageTracker([*self.module.parameters(), *self.module.buffers()])
+        self._tracker = LiveStorageTracker([*self.module.parameters(), *self.module.buffers()])
         self._tracker.__enter__()
 
     def stop(self) -> int:
@@ -460,117 +325,6 @@ class StepPeak:
         finally:
             tracker.detach()
         return tracker.peak_bytes
-
-
-# --- CUDA: the caching allocator's own statistics ----------------------------------------------
-
-
-class _AllocatedLog(TorchDispatchMode):
-    """Timeline only: ``memory_allocated`` above the baseline after every op."""
-
-    def __init__(self, device: torch.device, base_bytes: int) -> None:
-        super().__init__()
-        self.device, self.base_bytes, self.phase = device, base_bytes, "forward"
-        self.timeline: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        self.log(f"{self.phase}:{func}")
-        return out
-
-    def log(self, label: str) -> None:
-        self.timeline.append((label, torch.cuda.memory_allocated(self.device) - self.base_bytes))
-
-
-def _cuda_step(
-    module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, device: torch.device
-) -> tuple[int, int, list[tuple[str, int]], str]:
-    torch.cuda.synchronize(device)
-    base_bytes = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    log = _AllocatedLog(device, base_bytes)
-    with log:
-        with amp_forward():
-            output = call(module, example_input, loss_fn)
-            log.phase = "loss"
-            loss = training_loss(output, loss_fn, example_input)
-            del output
-        log.log("loss:end")
-        loss_bytes = allocated_bytes(loss)
-        saved_bytes = torch.cuda.memory_allocated(device) - base_bytes - loss_bytes
-        log.phase = "backward"
-        with amp_backward():
-            loss.backward()
-        del loss
-        log.log("backward:end")
-    torch.cuda.synchronize(device)
-    peak_bytes = torch.cuda.max_memory_allocated(device) - base_bytes
-    peak_event = max(log.timeline, key=lambda e: e[1])[0] if log.timeline else ""
-    return peak_bytes, saved_bytes, log.timeline, peak_event
-
-
-# --- the profiler's allocation events (works under torch.compile) ------------------------------
-
-
-def _profiled_step(
-    module: torch.nn.Module, example_input: Any, loss_fn: LossFn | None, device: torch.device
-) -> tuple[int, int, list[tuple[str, int]], str]:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True) as prof:
-        with amp_forward():
-            with record_function("planner::forward"):
-                output = call(module, example_input, loss_fn)
-            with record_function("planner::loss"):
-                loss = training_loss(output, loss_fn, example_input)
-                del output
-        loss_bytes = loss.untyped_storage().nbytes()
-        with record_function("planner::backward"), amp_backward():
-            loss.backward()
-            del loss
-        _sync(device)
-
-    events = prof.profiler.kineto_results.events()
-    ranges_ns = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in _PHASES}
-    device_type = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
-    allocs = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and e.device_type() == device_type
-    )
-    live_bytes = peak_bytes = 0
-    saved_bytes = None
-    peak_event = ""
-    timeline: list[tuple[str, int]] = []
-    loss_end_ns = ranges_ns["planner::loss"][1]
-    for t_ns, nbytes in allocs:
-        if saved_bytes is None and t_ns > loss_end_ns:
-            saved_bytes = live_bytes - loss_bytes
-            timeline.append(("loss:end", live_bytes))
-        live_bytes += nbytes
-        label = f"{_phase_at(t_ns, ranges_ns)}:{'alloc' if nbytes > 0 else 'free'}"
-        timeline.append((label, live_bytes))
-        if live_bytes > peak_bytes:
-            peak_bytes, peak_event = live_bytes, label
-    if saved_bytes is None:
-        saved_bytes = live_bytes - loss_bytes
-    timeline.append(("backward:end", live_bytes))
-    return peak_bytes, saved_bytes, timeline, peak_event
-
-
-_PHASES = ("planner::forward", "planner::loss", "planner::backward")
-
-
-def _phase_at(t_ns: int, ranges_ns: dict[str, tuple[int, int]]) -> str:
-    for name in _PHASES:
-        start_ns, end_ns = ranges_ns.get(name, (0, -1))
-        if start_ns <= t_ns <= end_ns:
-            return name.removeprefix("planner::")
-    return "backward"  # autograd's device threads may run past the record_function range
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -158,17 +158,18 @@ class PlanOptions:
         on_step: OnStep = _no_progress,
         time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     ) -> PricedGraph | PricedInplace:
-        """Steps 1 and 2 (:func:`price_form`) with these options, under ``autocast`` if set
-        (only pricing runs the model; the solve and the build are dtype-blind). ``time_limit_s``:
-        tracing the in-place step for longer raises a ``PlannerError`` naming the module."""
+        """Steps 1 and 2 (:func:`price_form`) with these options as :meth:`checked` returned
+        them (not checked again), under ``autocast`` if set (only pricing runs the model; the
+        solve and the build are dtype-blind). ``time_limit_s``: tracing the in-place step for
+        longer raises a ``PlannerError`` naming the module."""
         amp = nullcontext() if self.autocast is None else autocast_for(model, self.autocast)
         with amp:
-            return price_form(
+            return _price_checked(
                 model,
                 example_input,
                 self.form,
                 loss_fn=self.loss_fn,
-                device=self.device,
+                profile=self.device,  # type: ignore[arg-type]
                 fsdp=self.fsdp,
                 on_step=on_step,
                 calibration=self.calibration,
@@ -200,6 +201,33 @@ def price_form(
     """Price one training step of ``model`` for plans of ``form`` (see :func:`plan` for
     ``device``, ``calibration`` and ``fsdp``, the latter in place only)."""
     profile = check_form_options(form, device=device, fsdp=fsdp)
+    return _price_checked(
+        model,
+        example_input,
+        form,
+        loss_fn=loss_fn,
+        profile=profile,
+        fsdp=fsdp,
+        on_step=on_step,
+        calibration=calibration,
+        time_limit_s=time_limit_s,
+    )
+
+
+def _price_checked(
+    model: torch.nn.Module,
+    example_input: Any,
+    form: str,
+    *,
+    loss_fn: LossFn | None,
+    profile: DeviceProfile | None,
+    fsdp: FSDPConfig | None,
+    on_step: OnStep,
+    calibration: Calibration | str | Path | None,
+    time_limit_s: float,
+) -> PricedGraph | PricedInplace:
+    """:func:`price_form` after its checks (:func:`check_form_options`), the device resolved
+    to its ``profile``."""
     if form == "graph":
         return graph_form.price(
             model,

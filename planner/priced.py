@@ -81,7 +81,7 @@ def predictions(
     step's peak without checkpointing when known (``Priced.eager_peak_bytes``, simulated once
     per pricing); None simulates it."""
     if baseline_peak_bytes is None:
-        baseline_peak_bytes = simulate(graph, Schedule()).peak_bytes
+        baseline_peak_bytes = no_checkpoint_peak_bytes(graph)
     return dict(
         solver=schedule.solver,
         budget_bytes=budget_bytes,
@@ -93,15 +93,23 @@ def predictions(
     )
 
 
+def no_checkpoint_peak_bytes(graph: CostGraph) -> int:
+    """Predicted peak of one step of ``graph`` without checkpointing (what a plan's saving is
+    measured against and a percentage budget is a share of)."""
+    return simulate(graph, Schedule()).peak_bytes
+
+
 class Priced:
     """Steps 3 and 4 over a priced step (``graph``): what every solve of it starts from.
 
     A form subclasses it with its ``build`` and, where it takes fewer solvers, its
-    ``check_solver``.
+    ``form_solvers`` and ``check_solver``.
     """
 
     form: ClassVar[str]
     graph: CostGraph
+    # The solvers this form carries out; None: every registered one.
+    form_solvers: ClassVar[tuple[str, ...] | None] = None
 
     @staticmethod
     def check_solver(solver: str) -> None:
@@ -111,8 +119,8 @@ class Priced:
 
     @cached_property
     def eager_peak_bytes(self) -> int:
-        """Predicted peak of one step without checkpointing."""
-        return simulate(self.graph, Schedule()).peak_bytes
+        """Predicted peak of one step without checkpointing, simulated once per pricing."""
+        return no_checkpoint_peak_bytes(self.graph)
 
     def solve(
         self,
@@ -133,7 +141,10 @@ class Priced:
         ``solver_opts`` go to the solver unchanged (its own options; unknown ones are its
         error to raise).
         """
-        self.check_solver(solver)
+        # An unknown name is the registry's error in the solve below, its one lookup; only a
+        # name this form cannot carry out must be refused before the solver runs.
+        if self.form_solvers is not None and solver not in self.form_solvers:
+            self.check_solver(solver)
         if compiled:
             return solve_compiled(
                 self.graph,

@@ -19,7 +19,8 @@ import torch
 
 import planner
 from benchmarks.models import gpt_ref_small_example
-from planner.cli import UsageError, main, parse_budget, parse_budgets, parse_shape
+from planner.cli import main
+from planner.cli_flags import UsageError, parse_budget, parse_budgets, parse_shape
 from planner.plans import region_module
 from planner.report import format_bytes, format_ms
 from tests.helpers import assert_same_step_copy
@@ -564,7 +565,7 @@ def test_fit_batch_takes_the_form_and_plans_options(tmp_path, capsys):
 
 
 def test_solvers_are_listed_whole_with_the_forms_they_apply_to(capsys):
-    from planner.cli import solver_description
+    from planner.cli_commands import solver_description
     from planner.comparison import solver_names
     from planner.inplace_form import SPAN_SOLVERS
     from planner.solvers.registry import SOLVERS

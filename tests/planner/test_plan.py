@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -111,6 +112,36 @@ def test_unknown_objective_is_refused_before_planning():
     model, example_input = gpt_ref_small_example()
     with pytest.raises(ValueError, match="objective must be one of"):
         planner.plan(model, example_input, mem_budget_gb=1.0, objective="memory", form="graph")
+
+
+@pytest.mark.parametrize("form", ["graph", "inplace"])
+def test_plan_checks_each_thing_once(form, monkeypatch):
+    """Along plan(): the form's options checked once, the solver looked up once before the
+    slow part and once by the solve that runs it, the step without checkpointing simulated
+    once."""
+    import planner.inplace_form
+    import planner.planning
+    import planner.priced
+    import planner.solvers.registry
+
+    counts: Counter[str] = Counter()
+
+    def count(module, name, key=lambda *args: True):
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            counts[name] += bool(key(*args))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    count(planner.planning, "check_form_options")
+    for module in (planner.solvers.registry, planner.priced, planner.inplace_form):
+        count(module, "get_solver", key=lambda name: name == "uniform")
+    count(planner.priced, "simulate", key=lambda graph, schedule: not schedule.regions)
+    model, example_input = gpt_ref_small_example()
+    planner.plan(model, example_input, 1.0, "uniform", form=form, device="h100")
+    assert counts == {"check_form_options": 1, "get_solver": 2, "simulate": 1}
 
 
 @pytest.mark.parametrize("form", ["graph", "inplace"])
