@@ -20,13 +20,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner.passes.op_timing import (
-    FRESH_SHARE,
-    DeviceTiming,
-    Timer,
-    host_floor_s,
-    measure_timing,
-)
+from planner.passes.fresh_memory import FRESH_SHARE
+from planner.passes.op_timing import DeviceTiming, Timer, measure_timing
+from planner.passes.overhead_fits import host_floor_s
 from planner.passes.step import StepTime
 from planner.passes.trace import OpRecord, RecordedCall, Segment, Storage, Tracker, is_tensor
 from planner.solvers.costgraph import BufferChange, CostGraph, GradBuffer, Node, Tensor

@@ -45,23 +45,21 @@ from typing import Any
 import torch
 
 from planner.file_format import check_header
-from planner.passes.op_timing import (
-    CheckpointOverhead,
-    DeviceTiming,
+from planner.passes.cuda_timing import measure_workspace_bytes, workspace_bytes
+from planner.passes.fresh_memory import (
     FreshMemory,
-    OpCall,
-    TensorSpec,
-    clock,
     fresh_mapping_s_per_byte,
     mapped_afresh_min_bytes,
+)
+from planner.passes.op_call import OpCall, TensorSpec
+from planner.passes.op_timing import DeviceTiming, time_call, time_each
+from planner.passes.overhead_fits import (
+    CheckpointOverhead,
     measure_call_overhead_s,
     measure_checkpoint_overhead,
-    measure_workspace_bytes,
-    time_call,
-    time_each,
-    workspace_bytes,
 )
 from planner.passes.step import StepTime
+from planner.passes.timing_runs import clock
 from planner.solvers.errors import PlannerError
 
 # A step whose calls add up to less than this is also timed whole (plain, checkpointed and

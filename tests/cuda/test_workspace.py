@@ -19,7 +19,9 @@ import torch
 
 import planner
 from benchmarks.models import residual_cnn_example
-from planner.passes.op_timing import op_call, time_calls, workspace_bytes
+from planner.passes.cuda_timing import workspace_bytes
+from planner.passes.op_call import op_call
+from planner.passes.op_timing import time_calls
 
 pytestmark = [
     pytest.mark.cuda,

@@ -1,4 +1,4 @@
-"""Blocks the CPU allocator maps afresh, and their price in a step (op_timing.FreshMemory)."""
+"""Blocks the CPU allocator maps afresh, and their price in a step (fresh_memory.FreshMemory)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from benchmarks.page_faults import LargeBlocks
 from planner import calibration
 from planner.devices import profile_of_model
 from planner.measurement import _step
-from planner.passes import op_timing
+from planner.passes import fresh_memory
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import FRESH_SHARE, DeviceTiming, FreshMemory
+from planner.passes.fresh_memory import FRESH_SHARE, FreshMemory
+from planner.passes.op_timing import DeviceTiming
 
 glibc = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
@@ -32,7 +33,7 @@ MiB = 1 << 20
 
 
 def test_glibc_settings_decide_which_blocks_are_mapped_afresh():
-    settings = op_timing.glibc_mapped_afresh_min_bytes
+    settings = fresh_memory.glibc_mapped_afresh_min_bytes
     assert settings({}) == 32 * MiB  # glibc's defaults
     assert settings({"MALLOC_MMAP_THRESHOLD_": str(4 * MiB)}) == 4 * MiB
     # the README's settings: nothing mapped
@@ -41,7 +42,7 @@ def test_glibc_settings_decide_which_blocks_are_mapped_afresh():
     assert settings({"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MiB}"}) == MiB
     assert settings({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}) is None
     assert settings({"MALLOC_MMAP_THRESHOLD_": "lots"}) == 32 * MiB  # ignored, as glibc does
-    assert op_timing.mapped_afresh_min_bytes(torch.device("cuda")) is None  # a caching allocator
+    assert fresh_memory.mapped_afresh_min_bytes(torch.device("cuda")) is None  # a caching allocator
 
 
 # benchmarks.page_faults' pointwise model (blocks of 32 MiB only), stepped in a process: the
@@ -50,7 +51,7 @@ _STEPS = textwrap.dedent(
     """
     import json, statistics, torch
     from benchmarks.page_faults import faulted_share
-    from planner.passes.op_timing import mapped_afresh_min_bytes
+    from planner.passes.fresh_memory import mapped_afresh_min_bytes
 
     torch.set_num_threads(1)
     large, faulted, _ = faulted_share("pointwise", steps=4)
@@ -92,14 +93,14 @@ def test_training_steps_fault_their_large_blocks_in_unless_glibc_is_told_not_to(
 
 
 def test_a_fresh_mapping_costs_its_faults_and_unmapping():
-    fault_s, unmap_s = op_timing._mapping_costs_s()
-    assert fault_s == op_timing.fault_cost_s()
-    if op_timing.resource is None:
-        assert op_timing.fresh_mapping_s_per_byte() == 0.0
+    fault_s, unmap_s = fresh_memory._mapping_costs_s()
+    assert fault_s == fresh_memory.fault_cost_s()
+    if fresh_memory.resource is None:
+        assert fresh_memory.fresh_mapping_s_per_byte() == 0.0
         return
     # a page zeroed and mapped costs between 0.1 and 50 us on any machine planner runs on
     assert 1e-7 < fault_s < 5e-5 and 0 <= unmap_s < fault_s
-    assert op_timing.fresh_mapping_s_per_byte() * 4096 == pytest.approx(fault_s + unmap_s)
+    assert fresh_memory.fresh_mapping_s_per_byte() * 4096 == pytest.approx(fault_s + unmap_s)
 
 
 def test_the_share_of_large_blocks_is_charged():

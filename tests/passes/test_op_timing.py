@@ -11,17 +11,12 @@ from hypothesis import strategies as st
 
 from benchmarks.models import gpt_ref_small_example
 from planner.devices import profile_of_model
-from planner.passes import op_timing
+from planner.passes import cpu_timing, op_timing, overhead_fits, timing_runs
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import (
-    DeviceTiming,
-    call_overhead_s,
-    checkpoint_overhead,
-    host_floor_s,
-    op_call,
-    time_calls,
-)
+from planner.passes.op_call import op_call, real_arguments
+from planner.passes.op_timing import DeviceTiming, time_calls
+from planner.passes.overhead_fits import call_overhead_s, checkpoint_overhead, host_floor_s
 from planner.passes.step import StepTime
 
 
@@ -63,10 +58,10 @@ def test_cpu_calls_are_timed_on_data_evicted_from_the_caches(monkeypatch):
     the eviction is worth in seconds is a benchmark's (benchmarks/cold_timing.py)."""
     events: list[str] = []
     ticks = iter(range(1000))
-    monkeypatch.setattr(op_timing, "_evict_caches", lambda: events.append("evict"))
-    monkeypatch.setattr(op_timing, "clock", lambda device: lambda: float(next(ticks)))
-    monkeypatch.setattr(op_timing, "minor_faults", lambda: 0)
-    monkeypatch.setattr(op_timing, "_clock_cost_s", lambda: 0.0)
+    monkeypatch.setattr(cpu_timing, "_evict_caches", lambda: events.append("evict"))
+    monkeypatch.setattr(cpu_timing, "clock", lambda device: lambda: float(next(ticks)))
+    monkeypatch.setattr(cpu_timing, "minor_faults", lambda: 0)
+    monkeypatch.setattr(cpu_timing, "_clock_cost_s", lambda: 0.0)
     x = torch.randn(32, 1024)
     add = op_call(torch.ops.aten.add.Tensor, (x, x), {})
     neg = op_call(torch.ops.aten.neg.default, (x,), {})
@@ -81,11 +76,11 @@ def test_cpu_calls_are_timed_on_data_evicted_from_the_caches(monkeypatch):
 
     runs = {}
     for call, name in ((add, "add"), (neg, "neg")):
-        r = op_timing._ColdRuns.prepared(recorded(call, name))
+        r = cpu_timing.ColdRuns.prepared(recorded(call, name))
         assert r is not None and r.other is not None  # a fast call: warmed on other arguments
         runs[name] = r
     events.clear()  # the warm-ups
-    times = op_timing._cold_cpu_times([runs["add"], runs["neg"]], repeats=3)
+    times = cpu_timing.cold_cpu_times([runs["add"], runs["neg"]], repeats=3)
     round_ = ["evict", "add other", "add", "neg other", "neg"]
     assert events == round_ * 3
     assert times == [1.0, 1.0]  # each timed run read two ticks of the fake clock apart
@@ -94,9 +89,9 @@ def test_cpu_calls_are_timed_on_data_evicted_from_the_caches(monkeypatch):
 def test_a_slow_call_is_timed_without_a_second_run(monkeypatch):
     """A call whose warm-up outlasts SLOW_CALL_S is timed on its own previous run's warmth:
     no run on other arguments before each timed one."""
-    monkeypatch.setattr(op_timing, "SLOW_CALL_S", -1.0)
+    monkeypatch.setattr(timing_runs, "SLOW_CALL_S", -1.0)
     x = torch.randn(8, 8)
-    r = op_timing._ColdRuns.prepared(op_call(torch.ops.aten.neg.default, (x,), {}))
+    r = cpu_timing.ColdRuns.prepared(op_call(torch.ops.aten.neg.default, (x,), {}))
     assert r is not None and r.other is None
 
 
@@ -120,10 +115,10 @@ def _timed_with(monkeypatch, runs: list[tuple[float, int]]) -> float:
         count["running"] = not count["running"]
         return count["pages"]
 
-    monkeypatch.setattr(op_timing, "clock", lambda device: now)
-    monkeypatch.setattr(op_timing, "minor_faults", minor_faults)
-    monkeypatch.setattr(op_timing, "fault_cost_s", lambda: 2e-6)
-    monkeypatch.setattr(op_timing, "_clock_cost_s", lambda: 0.0)
+    monkeypatch.setattr(cpu_timing, "clock", lambda device: now)
+    monkeypatch.setattr(cpu_timing, "minor_faults", minor_faults)
+    monkeypatch.setattr(cpu_timing, "fault_cost_s", lambda: 2e-6)
+    monkeypatch.setattr(cpu_timing, "_clock_cost_s", lambda: 0.0)
     call = op_call(torch.ops.aten.neg.default, (torch.randn(8),), {})
     return op_timing.time_call(call, torch.device("cpu"), repeats=len(runs))
 
@@ -155,7 +150,7 @@ def _runs_on(monkeypatch, slow_call_s: float) -> list[int]:
         return torch.neg(x)
 
     call = dataclasses.replace(op_call(torch.ops.aten.neg.default, (torch.randn(8),), {}), op=neg)
-    monkeypatch.setattr(op_timing, "SLOW_CALL_S", slow_call_s)
+    monkeypatch.setattr(timing_runs, "SLOW_CALL_S", slow_call_s)
     op_timing.time_call(call, torch.device("cpu"), repeats=5)
     return ran_on
 
@@ -171,7 +166,7 @@ def test_each_cold_run_follows_a_run_on_other_arguments_unless_the_call_is_slow(
     assert fast == [own, other] + [other, own] * 5
     slow = _runs_on(monkeypatch, slow_call_s=-1.0)  # every call counts as slow
     assert len(set(slow)) == 1
-    assert len(slow) == 1 + op_timing.SLOW_REPEATS
+    assert len(slow) == 1 + timing_runs.SLOW_REPEATS
 
 
 def test_the_eviction_covers_the_largest_cache_sysfs_reports(monkeypatch, tmp_path):
@@ -180,12 +175,12 @@ def test_the_eviction_covers_the_largest_cache_sysfs_reports(monkeypatch, tmp_pa
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")
     paths = [str(tmp_path / index / "size") for index in sizes]
-    monkeypatch.setattr(op_timing.glob, "glob", lambda _: paths)
-    assert op_timing._last_level_cache_bytes() == 32 << 20
+    monkeypatch.setattr(cpu_timing.glob, "glob", lambda _: paths)
+    assert cpu_timing._last_level_cache_bytes() == 32 << 20
     (tmp_path / "index3" / "size").write_text("1G\n")
-    assert op_timing._last_level_cache_bytes() == 1 << 30
-    monkeypatch.setattr(op_timing.glob, "glob", lambda _: [])  # no sysfs: the default
-    assert op_timing._last_level_cache_bytes() == op_timing.DEFAULT_CACHE_BYTES
+    assert cpu_timing._last_level_cache_bytes() == 1 << 30
+    monkeypatch.setattr(cpu_timing.glob, "glob", lambda _: [])  # no sysfs: the default
+    assert cpu_timing._last_level_cache_bytes() == cpu_timing.DEFAULT_CACHE_BYTES
 
 
 def test_masks_are_timed_as_runs_not_random_bits():
@@ -193,7 +188,7 @@ def test_masks_are_timed_as_runs_not_random_bits():
     bits priced GPT-ref's causal masked_fill at 2.7 times its time in the step."""
     scores, mask = torch.randn(4, 6), torch.zeros(4, 6, dtype=torch.bool)
     call = op_call(torch.ops.aten.masked_fill.Scalar, (scores, mask, 0.0), {})
-    args, _ = op_timing._real_arguments(call, torch.device("cpu"))
+    args, _ = real_arguments(call, torch.device("cpu"))
     assert args[1].flatten().tolist() == [False] * 12 + [True] * 12
 
 
@@ -262,7 +257,7 @@ def test_on_the_device_each_region_adds_its_measured_overhead_to_the_step(monkey
     monkeypatch.setattr(calibration, "SMALL_STEP_S", 0.0)
     # the overhead pinned: fitted on a loaded machine, a figure can meet its floor of 0.0 (the
     # fit itself: test_the_checkpoint_overhead_fit_recovers_the_overhead_of_its_steps)
-    pinned_overhead = op_timing.CheckpointOverhead(
+    pinned_overhead = overhead_fits.CheckpointOverhead(
         region_s=40e-6, per_saving_node_s=3e-6, per_selective_call_s=1e-6
     )
     monkeypatch.setattr(calibration, "measure_checkpoint_overhead", lambda device: pinned_overhead)
@@ -301,9 +296,9 @@ def test_the_checkpoint_overhead_fit_recovers_the_overhead_of_its_steps(monkeypa
         selective_s = checkpoint_s + regions * 2 * layers * per_call_s
         steps_s += [plain_s, forward_s, checkpoint_s, selective_s]  # the order the fit times
     times = iter(steps_s)
-    monkeypatch.setattr(op_timing, "host_apart", lambda device: False)  # no offload variant
-    monkeypatch.setattr(op_timing, "_best_step_s", lambda step, repeats, device: next(times))
-    fitted = op_timing.measure_checkpoint_overhead(torch.device("cpu"), regions=regions)
+    monkeypatch.setattr(overhead_fits, "host_apart", lambda device: False)  # no offload variant
+    monkeypatch.setattr(overhead_fits, "_best_step_s", lambda step, repeats, device: next(times))
+    fitted = overhead_fits.measure_checkpoint_overhead(torch.device("cpu"), regions=regions)
     assert next(times, None) is None  # every step timed once
     assert fitted.region_s == pytest.approx(region_s)
     assert fitted.per_saving_node_s == pytest.approx(per_saving_s)
@@ -360,7 +355,7 @@ def test_on_an_accelerator_each_call_takes_at_least_the_hosts_time():
 
 
 def test_a_regions_price_is_what_it_adds_to_a_models_step():
-    """The stand-in's bookkeeping per region (op_timing.FILLER_WIDTH between its regions) plus
+    """The stand-in's bookkeeping per region (overhead_fits.FILLER_WIDTH between its regions) plus
     the recomputation, against what regions around GPT-ref-small's layer norms and GELUs add
     to its step, measured (interleaved rounds, CPU time): within a factor of two, on a busy
     machine too. Measured / predicted here: 0.8-1.2 mostly, 1.39 once in 15 runs, quiet or

@@ -10,15 +10,11 @@ import torch
 
 from planner.devices import profile_of_model
 from planner.passes.capture import capture
+from planner.passes.cuda_timing import workspace_bytes
 from planner.passes.eager import eager_graph
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import (
-    DeviceTiming,
-    TensorSpec,
-    op_call,
-    time_calls,
-    workspace_bytes,
-)
+from planner.passes.op_call import TensorSpec, op_call
+from planner.passes.op_timing import DeviceTiming, time_calls
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 

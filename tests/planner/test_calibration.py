@@ -22,9 +22,10 @@ from planner import calibration
 from planner.calibration import MEASUREMENTS, Calibration, CalibrationError
 from planner.devices import profile_of_model
 from planner.fsdp import per_rank
-from planner.passes import op_timing
+from planner.passes import fresh_memory
 from planner.passes.eager import eager_graph
-from planner.passes.op_timing import CheckpointOverhead, TensorSpec, op_call
+from planner.passes.op_call import TensorSpec, op_call
+from planner.passes.overhead_fits import CheckpointOverhead
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 from tests.helpers import each_with
@@ -107,7 +108,7 @@ def test_on_disk_round_trip(cache):
     assert loaded.device == calibration.device_name(torch.device("cpu"))
     assert loaded.torch_version == torch.__version__ and loaded.dtype == "float32"
     # what a block mapped afresh costs is measured once and kept (0 without a fault count)
-    assert (loaded.fresh_mapping_s_per_byte > 0) == (op_timing.resource is not None)
+    assert (loaded.fresh_mapping_s_per_byte > 0) == (fresh_memory.resource is not None)
     # a new process (nothing held): read from disk, nothing measured, the same plan
     _fresh_process()
     counts = dict(MEASUREMENTS)

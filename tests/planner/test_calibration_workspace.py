@@ -15,7 +15,7 @@ from planner import calibration
 from planner.calibration import Calibration, CalibrationError, CalibrationTimer
 from planner.devices import profile_of_model
 from planner.passes.eager import eager_graph
-from planner.passes.op_timing import CheckpointOverhead
+from planner.passes.overhead_fits import CheckpointOverhead
 from tests.helpers import each_with
 
 pytestmark = pytest.mark.filterwarnings("ignore::planner.LossFallbackWarning")
