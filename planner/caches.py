@@ -44,7 +44,7 @@ CLEARED: tuple[ProcessCache, ...] = (
     ProcessCache(_PASSES + "cpu_timing", "_eviction_buffer", "written to evict the CPU's caches"),
     ProcessCache(_PASSES + "cpu_timing", "_clock_cost_s", "what reading the CPU clock adds"),
     ProcessCache("planner.calibration", "_PROCESS", "calibrations read or measured"),
-    ProcessCache("planner.calibration", "_PRICED", "the last few models' pricings"),
+    ProcessCache("planner.pricing_cache", "_PRICED", "the last few models' pricings"),
     ProcessCache("planner.devices", "_MEASURED", "the device's measured rates"),
     ProcessCache("planner.solvers.dp", "_SOLVED_CACHE", "dp's solved levels"),
     ProcessCache("planner.solvers.dp", "_LEAST_CACHE", "dp's least feasible budgets"),
@@ -52,7 +52,7 @@ CLEARED: tuple[ProcessCache, ...] = (
 
 # Module-level tables that are not caches of what was measured or solved, and stay.
 KEPT: tuple[ProcessCache, ...] = (
-    ProcessCache("planner.calibration", "MEASUREMENTS", "a count of what was measured"),
+    ProcessCache("planner.calibration_counts", "MEASUREMENTS", "a count of what was measured"),
     ProcessCache("planner.devices", "PROFILES", "the named devices' datasheet rates"),
     ProcessCache(
         "planner.inplace",

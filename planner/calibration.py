@@ -25,18 +25,14 @@ ranks price, and plan, alike (every rank must call ``plan``, as with any collect
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import platform
 import re
-import statistics
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -44,6 +40,8 @@ from typing import Any
 
 import torch
 
+from planner.batch_sweep import BatchSweep, checked
+from planner.calibration_counts import MEASUREMENTS
 from planner.file_format import check_header
 from planner.passes.cuda_timing import measure_workspace_bytes, workspace_bytes
 from planner.passes.fresh_memory import (
@@ -51,8 +49,8 @@ from planner.passes.fresh_memory import (
     fresh_mapping_s_per_byte,
     mapped_afresh_min_bytes,
 )
-from planner.passes.op_call import OpCall, TensorSpec
-from planner.passes.op_timing import DeviceTiming, time_call, time_each
+from planner.passes.op_call import OpCall
+from planner.passes.op_timing import DeviceTiming, time_each
 from planner.passes.overhead_fits import (
     CheckpointOverhead,
     measure_call_overhead_s,
@@ -84,13 +82,9 @@ FORMAT = "planner-calibration"
 # 7: an offload region's bookkeeping per storage it sends (``per_offloaded_storage_s``), not per
 # saving node (an H200 measured GPT's offload plans at up to twice their price).
 # 8: a CPU call's figure is its median cold run, not its fastest
-# (``op_timing._cold_cpu_times``: on a shared VM the fastest priced GPT-ref's step 18% under
+# (``cpu_timing.cold_cpu_times``: on a shared VM the fastest priced GPT-ref's step 18% under
 # its time).
 VERSION = 8
-
-# How many measurements this process made, by kind ("ops": calls timed, "overheads": the
-# per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
-MEASUREMENTS: Counter[str] = Counter()
 
 
 class CalibrationError(PlannerError):
@@ -326,9 +320,9 @@ def _time_missing(
     expected: Mapping[str, float] | None = None,
 ):
     """The times of the calls ``calibration`` lacks: ``scaled``'s figure where it has one
-    (:func:`scaled_times`), else timed now; a call timed now at over RETIME_JUMP times its
-    ``expected`` figure (:func:`expected_times`) is timed again once the others are, and the
-    faster figure kept."""
+    (``batch_sweep.scaled_times``), else timed now; a call timed now at over RETIME_JUMP times
+    its ``expected`` figure (``batch_sweep.expected_times``) is timed again once the others
+    are, and the faster figure kept (``batch_sweep.checked``)."""
     new: dict[str, float | None] = {}
     timed: dict[str, OpCall] = {}
     for call in calls:
@@ -342,202 +336,12 @@ def _time_missing(
         timed[text] = call
     MEASUREMENTS["ops"] += len(timed)
     for (text, call), seconds in zip(timed.items(), time_each(list(timed.values()), device)):
-        new[text] = _checked(call, seconds, (expected or {}).get(text), device)
+        new[text] = checked(call, seconds, (expected or {}).get(text), device)
     return new
 
 
-# In a sweep, a call timed at more than this many times its counterpart's figure at the
-# smaller batch, scaled by their sizes, is timed again (:func:`_checked`). A burst of load on
-# the shared memory system stretches a memory-bound call's CPU time too, and the fastest of a
-# few back-to-back repeats all fall in it: GPT-ref's batch 2 was once priced 3x batch 1 (621
-# against 206 ms; 412 ms re-run), so fit_batch took batch 1, the slowest. A real step per
-# sample grows less than this in one doubling (GPT-ref's slowest call, a matmul whose output
-# outgrows the allocator's cached blocks, 1.4x), so the retry costs one more timing.
-RETIME_JUMP = 1.5
-# Below this an expected figure is left unchecked: dispatch noise, and nothing to the step.
-RETIME_MIN_S = 20e-6
-
-
-def _checked(
-    call: OpCall,
-    seconds: float | None,
-    expected_s: float | None,
-    device: torch.device,
-    repeats: int = 5,
-) -> float | None:
-    """``seconds``, or ``call`` timed again (``repeats`` runs) if that is faster, when
-    ``seconds`` is over RETIME_JUMP times ``expected_s``."""
-    if seconds is None or expected_s is None or expected_s < RETIME_MIN_S:
-        return seconds
-    if seconds <= RETIME_JUMP * expected_s:
-        return seconds
-    again = time_call(call, device, repeats)
-    MEASUREMENTS["retimed"] += 1
-    return seconds if again is None else min(seconds, again)
-
-
-# A call whose counterpart at the smaller batch took at least this long is priced from it
-# (``scaled_times``): past a millisecond a CPU kernel's time grows linearly with its rows
-# (GPT-ref's matmuls and attention from batch 8 to 64 within a few percent), and timing the
-# largest batch sizes' calls, each a few times, was most of a cold ``fit_batch``.
-SCALE_MIN_S = 1e-3
-
-
-def _numel(spec: Any) -> int:
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return n
-
-
-def _grown_by(small: OpCall, large: OpCall) -> float | None:
-    """How many times larger ``large`` is than ``small``: the same op on the same arguments
-    but tensors, each tensor the same or its element count times one ratio r > 1 (the
-    batch's), its other arguments the same or integers times r (a view's sizes); else None."""
-    if small.op != large.op or small.spec != large.spec or len(small.leaves) != len(large.leaves):
-        return None
-    ratio: float | None = None
-    for a, b in zip(small.leaves, large.leaves):
-        if a == b:
-            continue
-        if isinstance(a, TensorSpec) and isinstance(b, TensorSpec):
-            if a.dtype != b.dtype or len(a.shape) != len(b.shape) or not _numel(a):
-                return None
-            r = _numel(b) / _numel(a)
-        elif isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a:
-            r = b / a
-        else:
-            return None
-        if r <= 1 or (ratio is not None and abs(r - ratio) > 1e-9 * ratio):
-            return None
-        ratio = r
-    return ratio
-
-
-# How many of an op's largest calls ``_per_op_corrected`` times at a new batch size, and how
-# many runs each (after a warm-up): the median over the calls is what counts.
-CORRECTION_CALLS = 3
-CORRECTION_REPEATS = 1
-
-
-def _per_op_corrected(
-    scaled: Mapping[str, float], calls: Sequence[OpCall], device: torch.device
-) -> dict[str, float]:
-    """``scaled`` with each op's figures corrected by a few of its calls timed: its largest.
-
-    Linear scaling holds for compute-bound calls (matmuls: GPT-ref's within 4% from batch 8 to
-    64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
-    pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's CORRECTION_CALLS
-    largest calls are timed, one run each (CORRECTION_REPEATS), and the median of their ratios
-    of timed to scaled figure applied to all the op's calls, those timed too: one call's ratio
-    alone would carry its run's noise to every call of the op, and a call run once after its
-    warm-up takes a half to a third of the runs of one timed as ``time_call`` does (the largest
-    sizes' calls were most of a cold ``fit_batch``). A few timed calls per batch size instead of
-    hundreds; one timed over RETIME_JUMP times its scaled figure is timed again
-    (:func:`_checked`)."""
-    by_text = {c.key_text: c for c in calls}
-    groups: dict[str, list[tuple[float, str]]] = {}
-    for text, seconds in scaled.items():
-        groups.setdefault(str(by_text[text].op), []).append((seconds, text))
-    out: dict[str, float] = {}
-    for group in groups.values():
-        factors = []
-        for seconds, text in sorted(group, reverse=True)[:CORRECTION_CALLS]:
-            call = by_text[text]
-            figure = time_call(call, device, CORRECTION_REPEATS)
-            figure = _checked(call, figure, seconds, device, CORRECTION_REPEATS)
-            MEASUREMENTS["ops"] += 1
-            if figure is not None:
-                factors.append(figure / seconds)
-        factor = statistics.median(factors) if factors else 1.0
-        for seconds, text in group:
-            out[text] = seconds * factor
-    return out
-
-
-class BatchSweep:
-    """What ``fit_batch`` keeps between its batch sizes: the calls of the last step priced.
-
-    A larger batch's step makes the same calls on tensors with more rows: each call whose
-    counterpart (the same occurrence of the same op, tensors grown by one ratio r:
-    :func:`paired_calls`) took at least SCALE_MIN_S is priced at r times that
-    (:func:`scaled_times`), corrected by its op's largest calls timed
-    (:func:`_per_op_corrected`), instead of being timed again, so a sweep times the calls of
-    its small batch sizes and a few calls per op of the larger ones."""
-
-    def __init__(self) -> None:
-        self.last_calls: list[OpCall] | None = None
-        # their figures (a pinned calibration object is not extended from one size to the next)
-        self.last_times_s: dict[str, float | None] = {}
-
-
-_SWEEP: ContextVar[BatchSweep | None] = ContextVar("planner_batch_sweep", default=None)
-
-
-@contextlib.contextmanager
-def batch_sweep() -> Iterator[BatchSweep]:
-    """Within: plans price each step's calls from the previous step's where they scale."""
-    token = _SWEEP.set(BatchSweep())
-    try:
-        yield _SWEEP.get()  # type: ignore[misc]
-    finally:
-        _SWEEP.reset(token)
-
-
-def paired_calls(
-    previous: Sequence[OpCall], calls: Sequence[OpCall]
-) -> list[tuple[OpCall, OpCall, float]]:
-    """Each call of ``calls`` with its counterpart in ``previous`` and how many times larger it
-    is (:func:`_grown_by`): the k-th call of an op with the k-th call of that op in
-    ``previous``, for every op both steps call equally often. Per op, not by position: a
-    step's path may differ in a few views and copies between batch sizes (GPT-ref's batch 1
-    makes 5,471 calls, batch 2 5,579), and its matmuls, softmaxes and dropouts still pair."""
-    earlier: dict[str, list[OpCall]] = {}
-    for call in previous:
-        earlier.setdefault(str(call.op), []).append(call)
-    counts = Counter(str(call.op) for call in calls)
-    seen: Counter[str] = Counter()
-    pairs = []
-    for large in calls:
-        op = str(large.op)
-        k = seen[op]
-        seen[op] += 1
-        smalls = earlier.get(op, ())
-        if len(smalls) != counts[op]:
-            continue
-        ratio = _grown_by(smalls[k], large)
-        if ratio is not None:
-            pairs.append((smalls[k], large, ratio))
-    return pairs
-
-
-Pairs = Sequence[tuple[OpCall, OpCall, float]]  # what paired_calls returns
-
-
-def expected_times(
-    times_s: Mapping[str, float | None], pairs: Pairs
-) -> dict[str, tuple[float, float]]:
-    """Call text -> (its counterpart's figure in ``times_s``, their size ratio), for the larger
-    call of each of ``pairs`` (:func:`paired_calls`) whose smaller one has a figure."""
-    out: dict[str, tuple[float, float]] = {}
-    for small, large, ratio in pairs:
-        small_s = times_s.get(small.key_text)
-        if small_s is not None and large.key_text not in out:
-            out[large.key_text] = (small_s, ratio)
-    return out
-
-
-def scaled_times(calibration: Calibration, pairs: Pairs) -> dict[str, float]:
-    """The larger calls of ``pairs`` (:func:`paired_calls`) that ``calibration`` lacks, priced
-    from their smaller counterparts' figures in it (``BatchSweep``)."""
-    return {
-        text: small_s * ratio
-        for text, (small_s, ratio) in expected_times(calibration.op_times_s, pairs).items()
-        if small_s >= SCALE_MIN_S and text not in calibration.op_times_s
-    }
-
-
-def _distributed() -> bool:
+def is_distributed() -> bool:
+    """Whether this process is one rank of several (``torch.distributed``)."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -557,7 +361,9 @@ class CalibrationTimer:
     pinned one, the process's, the disk cache's or a new one), extended by the calls it lacks.
 
     ``pinned``: a :class:`Calibration` or the path of one (created if missing; the calls it
-    lacked are written back to it); None: the process's and the disk cache's.
+    lacked are written back to it); None: the process's and the disk cache's. ``sweep``: in
+    ``fit_batch``, the sweep over batch sizes this step belongs to (``batch_sweep.BatchSweep``):
+    the calls it shares with the last size's step, grown, are priced from that step's.
     """
 
     def __init__(
@@ -565,12 +371,14 @@ class CalibrationTimer:
         dtype: torch.dtype,
         pinned: Calibration | str | Path | None = None,
         step: Callable[[str], StepTime | None] | None = None,
+        sweep: BatchSweep | None = None,
     ) -> None:
         """``step(clock)``: time the model's step whole (``measurement.measured_step_time``),
         done once per step signature and kept, if the step is small (SMALL_STEP_S)."""
         self.dtype = str(dtype).removeprefix("torch.")
         self.pinned = pinned
         self.step = step
+        self.sweep = sweep
         self.used: Calibration | None = None
         self.source = "this process's" if pinned is None else f"pinned ({pinned})"
 
@@ -607,7 +415,7 @@ class CalibrationTimer:
             )
 
     def __call__(self, calls: Sequence[OpCall], device: torch.device) -> DeviceTiming:
-        distributed = _distributed()
+        distributed = is_distributed()
         import torch.distributed as dist
 
         rank0 = not distributed or dist.get_rank() == 0
@@ -617,15 +425,9 @@ class CalibrationTimer:
             if calibration is None:
                 calibration = _measure_new(device, self.dtype)
                 self.source = "measured now"
-            sweep = _SWEEP.get()
             scaled = expected = None
-            pairs: Pairs = ()
-            if sweep is not None and sweep.last_calls is not None:
-                pairs = paired_calls(sweep.last_calls, calls)
-                earlier_s = {**sweep.last_times_s, **calibration.op_times_s}
-                paired = expected_times(earlier_s, pairs)
-                expected = {text: small_s * ratio for text, (small_s, ratio) in paired.items()}
-                scaled = _per_op_corrected(scaled_times(calibration, pairs), calls, device)
+            if self.sweep is not None:
+                scaled, expected = self.sweep.estimates(calibration.op_times_s, calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
             # measured as they were timed (op_timing.workspace_bytes); the scaled ones, not
             # timed, by one run each: a kernel's scratch is its library's choice at each size
@@ -639,11 +441,8 @@ class CalibrationTimer:
             }
             if new:
                 calibration = calibration.with_times(new, workspaces)
-            if sweep is not None:
-                sweep.last_calls = list(calls)
-                sweep.last_times_s = {
-                    c.key_text: calibration.op_times_s.get(c.key_text) for c in calls
-                }
+            if self.sweep is not None:
+                self.sweep.remember(calls, calibration.op_times_s)
             signature = step_signature(calls)
             timed = self._time_small_step(calibration, calls, device, signature)
             if timed is not None:
@@ -712,82 +511,3 @@ def forget() -> None:
     """Drop this process's calibrations (the disk cache stays): the next plan reads the disk
     cache, or measures."""
     _PROCESS.clear()
-
-
-# ------------------------------------------------------------------------- priced models
-
-# A plan prices its model's step once (a fake-tensor trace, the calibration's times); a later
-# plan of the same model and input shapes in this process (another budget, solver or objective)
-# reuses that pricing. Kept for the last few models, by what the pricing depends on.
-_PRICED: dict[tuple, tuple[Any, Any]] = {}
-PRICED_KEEP = 8
-
-
-def _spec(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        # integer and boolean inputs (token ids, masks) steer the path the model takes
-        # (transformers skips an all-ones mask), so their values are part of the key
-        values = (
-            hash(x.detach().cpu().numpy().tobytes())
-            if not x.is_floating_point() and x.device.type != "meta" and x.numel() <= 1 << 20
-            else None
-        )
-        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad, values)
-    return x if isinstance(x, (int, float, bool, str, type(None))) else ("id", id(x))
-
-
-def pricing_key(
-    model: torch.nn.Module, example_input: Any, pinned: Calibration | str | Path | None, *extra: Any
-) -> tuple | None:
-    """What a model's pricing depends on: the model (its module tree, parameters' and buffers'
-    shapes and dtypes, wrapped forwards, training mode), the input's shapes, the calibration,
-    autocast and ``extra`` (loss function, device profile, form...). None under
-    ``torch.distributed``, where every rank prices (a collective) rather than some reusing."""
-    if _distributed():
-        return None
-    from torch.utils._pytree import tree_flatten
-
-    leaves, spec = tree_flatten(example_input)
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
-    state = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in tensors)
-    modules = tuple(
-        (path, type(m).__name__, m.training, "forward" in m.__dict__)
-        for path, m in model.named_modules()
-    )
-    if isinstance(pinned, Calibration):
-        calibration: Any = ("object", id(pinned))
-    elif pinned is not None:
-        calibration = ("path", str(Path(pinned).resolve()))
-    else:
-        calibration = None
-    autocast = tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return (
-        id(model),
-        modules,
-        state,
-        str(spec),
-        tuple(_spec(x) for x in leaves),
-        calibration,
-        autocast,
-        torch.get_num_threads(),
-        *extra,
-    )
-
-
-def reuse_priced(key: tuple | None, model: torch.nn.Module, make: Any) -> Any:
-    """``make()``'s pricing of ``model``, or the one made earlier for the same ``key``."""
-    import weakref
-
-    if key is None:
-        return make()
-    found = _PRICED.get(key)
-    if found is not None and found[0]() is model:
-        return found[1]
-    priced = make()
-    _PRICED.pop(key, None)
-    _PRICED[key] = (weakref.ref(model), priced)
-    while len(_PRICED) > PRICED_KEEP:
-        _PRICED.pop(next(iter(_PRICED)))
-    return priced

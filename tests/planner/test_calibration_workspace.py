@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from planner import calibration
+from planner import batch_sweep, calibration
 from planner.calibration import Calibration, CalibrationError, CalibrationTimer
 from planner.devices import profile_of_model
 from planner.passes.eager import eager_graph
@@ -86,22 +86,21 @@ def test_a_sweeps_scaled_calls_have_their_workspace_measured_at_their_own_size(m
         measured.append(call.key_text)
         return 4096
 
-    monkeypatch.setattr(calibration, "time_call", time_call)
+    monkeypatch.setattr(batch_sweep, "time_call", time_call)
     monkeypatch.setattr(calibration, "time_each", each_with(time_call))
     monkeypatch.setattr(calibration, "workspace_bytes", lambda call, device: 0)
     monkeypatch.setattr(calibration, "measure_workspace_bytes", measure_workspace_bytes)
-    monkeypatch.setattr(calibration, "_per_op_corrected", lambda scaled, calls, device: scaled)
+    monkeypatch.setattr(batch_sweep, "per_op_corrected", lambda scaled, calls, device: scaled)
     calibration.forget()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     rates = profile_of_model(model)
-    timer = CalibrationTimer(torch.float32)
-    with calibration.batch_sweep():
-        for batch in (2, 4):
-            timed.clear()
-            eager_graph(model, torch.randn(batch, 8), rates=rates, time_ops=True, timer=timer)
-            if batch == 2:
-                assert timed and not measured  # timed: their scratch seen as they ran
+    timer = CalibrationTimer(torch.float32, sweep=batch_sweep.BatchSweep())
+    for batch in (2, 4):
+        timed.clear()
+        eager_graph(model, torch.randn(batch, 8), rates=rates, time_ops=True, timer=timer)
+        if batch == 2:
+            assert timed and not measured  # timed: their scratch seen as they ran
     assert measured and not set(measured) & set(timed)
     used = timer.used.workspace_bytes
     assert all(used[text] == 4096 for text in measured)
@@ -121,7 +120,7 @@ def test_the_calibration_timer_keeps_and_prices_measured_workspaces(tmp_path, mo
     def time_call(call, device, repeats=5):
         return 1e-6
 
-    monkeypatch.setattr(calibration, "time_call", time_call)
+    monkeypatch.setattr(batch_sweep, "time_call", time_call)
     monkeypatch.setattr(calibration, "time_each", each_with(time_call))
     # what op_timing measures on CUDA, injected: every matmul-like call has 1 MB of scratch
     monkeypatch.setattr(
