@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from planner.passes.device_calibration import Calibration
 from planner.passes.fresh_memory import FRESH_SHARE
-from planner.passes.op_timing import DeviceTiming, Timer, measure_timing
+from planner.passes.op_timing import Timer, measure_timing
 from planner.passes.overhead_fits import host_floor_s
 from planner.passes.step import StepTime
 from planner.passes.trace import OpRecord, RecordedCall, Segment, Storage, Tracker, is_tensor
@@ -299,7 +300,7 @@ def with_workspaces(
 
 
 def _measured_times(
-    tracker: Tracker, timing: DeviceTiming, rates: DeviceProfile, step_time: StepTime | None
+    tracker: Tracker, timing: Calibration, rates: DeviceProfile, step_time: StepTime | None
 ) -> tuple[dict[tuple[str, int], float], str]:
     """Seconds per (phase, node): its aten calls timed alone on ``device`` (the roofline for
     those that cannot run alone), plus what the step spends per call around them, and how.

@@ -15,28 +15,22 @@ The jobs, one file each: on the CPU each timed run finds its data evicted from t
 call in a step does (``cpu_timing``); on an accelerator calls are timed back to back and their
 kernel workspaces measured (``cuda_timing``); what a step spends around its calls (per call, per
 checkpoint region) is fitted on stand-ins (``overhead_fits``); the pages of blocks mapped afresh
-are priced apart (``fresh_memory``). This module times a step's calls on either device and hands
-the estimator a :class:`DeviceTiming`.
+are priced apart (``fresh_memory``). This module times a step's calls on either device; the
+estimator prices with a ``device_calibration.Calibration`` (a :data:`Timer`'s result).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from planner.passes.cpu_timing import time_cold
 from planner.passes.cuda_timing import time_back_to_back, workspace_bytes
-from planner.passes.fresh_memory import FreshMemory, fresh_memory
+from planner.passes.device_calibration import Calibration, device_name
+from planner.passes.fresh_memory import fresh_memory
 from planner.passes.op_call import OpCall
-from planner.passes.overhead_fits import (
-    CheckpointOverhead,
-    call_overhead_s,
-    checkpoint_overhead,
-    host_overlaps,
-)
+from planner.passes.overhead_fits import call_overhead_s, checkpoint_overhead
 
 # (device, OpCall.key) -> seconds, or None for a call that would not run on random tensors
 _TIMES: dict[tuple[str, tuple], float | None] = {}
@@ -78,51 +72,26 @@ def time_each(
     return time_cold(calls, repeats)
 
 
-@dataclass(frozen=True)
-class DeviceTiming:
-    """What the estimator takes of a device's calibration, as plain data (no torch objects):
-    seconds per call of each call timed (by :attr:`OpCall.key_text`; None: it did not run on
-    random tensors, price it by the roofline), seconds a step spends per call around the call
-    itself (:func:`call_overhead_s`), the checkpoint bookkeeping (:func:`checkpoint_overhead`),
-    the calls' kernel workspaces (:func:`workspace_bytes`), and the cost of blocks the
-    allocator maps afresh (:class:`FreshMemory`).
-
-    ``planner/calibration.py`` keeps one per device, in the process and on disk, and hands it to
-    ``estimate`` / ``eager_graph`` through their ``timer``.
-    """
-
-    op_times_s: Mapping[str, float | None] = field(default_factory=dict)
-    call_overhead_s: float = 0.0
-    checkpoint: CheckpointOverhead = CheckpointOverhead()
-    source: str = ""  # where it came from, for the graph's meta["timing"]
-    # The step itself, timed whole (``passes.step.StepTime``: plain, checkpointed, selective),
-    # when it was cheap enough to time; the estimator fits the calls' times to it.
-    step_time: Any = None
-    # Kernel workspace bytes of the calls that have one (:func:`workspace_bytes`), by
-    # :attr:`OpCall.key_text`; a call not listed has none (always so off CUDA).
-    workspace_bytes: Mapping[str, int] = field(default_factory=dict)
-    # What the blocks a call allocates cost when the allocator maps them afresh
-    fresh_memory: FreshMemory = FreshMemory()
-    # The host's per-call work overlaps the kernels (:func:`host_overlaps`): each call costs at
-    # least ``call_overhead_s`` rather than that much more
-    host_overlaps: bool = False
-
-
 # What ``estimate(..., time_ops=True)`` calls with the step's recorded calls and the device:
 # the timing of (at least) those calls.
-Timer = Callable[[Sequence[OpCall], torch.device], DeviceTiming]
+Timer = Callable[[Sequence[OpCall], torch.device], Calibration]
 
 
-def measure_timing(calls: Sequence[OpCall], device: torch.device) -> DeviceTiming:
-    """The default :data:`Timer`: ``calls`` timed here (cached for this process only)."""
+def measure_timing(calls: Sequence[OpCall], device: torch.device) -> Calibration:
+    """The default :data:`Timer`: ``calls`` timed here (cached for this process only), as a
+    calibration of ``device`` for no dtype in particular."""
     times = time_calls(calls, device)
     workspaces = {c.key_text: workspace_bytes(c, device) for c in calls}
-    return DeviceTiming(
-        op_times_s={c.key_text: times.get(c.key) for c in calls},
+    fresh = fresh_memory(device)
+    return Calibration(
+        device=device_name(device),
+        torch_version=torch.__version__,
+        dtype="",
         call_overhead_s=call_overhead_s(device),
         checkpoint=checkpoint_overhead(device),
-        source="timed in this process",
+        op_times_s={c.key_text: times.get(c.key) for c in calls},
         workspace_bytes={text: n for text, n in workspaces.items() if n},
-        fresh_memory=fresh_memory(device),
-        host_overlaps=host_overlaps(device),
+        fresh_mapping_s_per_byte=fresh.seconds_per_byte,
+        source="timed in this process",
+        fresh_min_bytes=fresh.min_bytes,
     )

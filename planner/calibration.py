@@ -26,39 +26,30 @@ ranks price, and plan, alike (every rank must call ``plan``, as with any collect
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import platform
 import re
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any
 
 import torch
 
 from planner.batch_sweep import BatchSweep, checked
 from planner.calibration_counts import MEASUREMENTS
-from planner.file_format import check_header
 from planner.passes.cuda_timing import measure_workspace_bytes, workspace_bytes
+from planner.passes.device_calibration import Calibration, CalibrationError, device_name
 from planner.passes.fresh_memory import (
-    FreshMemory,
     fresh_mapping_s_per_byte,
-    mapped_afresh_min_bytes,
 )
 from planner.passes.op_call import OpCall
-from planner.passes.op_timing import DeviceTiming, time_each
+from planner.passes.op_timing import time_each
 from planner.passes.overhead_fits import (
-    CheckpointOverhead,
     measure_call_overhead_s,
     measure_checkpoint_overhead,
 )
 from planner.passes.step import StepTime
 from planner.passes.timing_runs import clock
-from planner.solvers.errors import PlannerError
 
 # A step whose calls add up to less than this is also timed whole (plain, checkpointed and
 # selective, a few interleaved rounds: well under a second), and its calls' times fitted to it:
@@ -69,186 +60,6 @@ SMALL_STEP_S = 0.05
 CACHE_DIR_ENV = "PLANNER_CACHE_DIR"
 CACHE_ENV = "PLANNER_CACHE"  # "0" (or "false", "off", "no"): no disk cache
 DEFAULT_CACHE_DIR = Path("~/.cache/planner")
-FORMAT = "planner-calibration"
-# 2: kernel workspaces (``workspace_bytes``); a version-1 file lacks them and is measured anew.
-# 3: CPU calls timed on data evicted from the caches (``passes/op_timing.py``); a version-2
-# file's figures, timed on hot data, are measured anew.
-# 4: what a block mapped afresh costs (``fresh_mapping_s_per_byte``), and page faults taken
-# off timed calls at the cost of a private mapping's (version 3 priced a shared one's).
-# 5: on CUDA, the host's time per call and the checkpoint bookkeeping (version 4 held 0 there).
-# 6: the checkpoint bookkeeping measured with a layer of work between regions, as in a model,
-# and small steps each timed after one of their own kind (version 5's were under half and 5-7%
-# over, on a CPU).
-# 7: an offload region's bookkeeping per storage it sends (``per_offloaded_storage_s``), not per
-# saving node (an H200 measured GPT's offload plans at up to twice their price).
-# 8: a CPU call's figure is its median cold run, not its fastest
-# (``cpu_timing.cold_cpu_times``: on a shared VM the fastest priced GPT-ref's step 18% under
-# its time).
-VERSION = 8
-
-
-class CalibrationError(PlannerError):
-    """A calibration file that cannot be read, or one made for another device."""
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What was measured about one device, for one torch version and dtype (module docstring).
-
-    ``op_times_s``: seconds per call by ``OpCall.key_text`` (None: the call did not run on
-    random tensors and is priced by the roofline). ``call_overhead_s``: what a training step
-    spends per aten call beyond the call itself. ``checkpoint``: a region's bookkeeping.
-    ``step_times_s``: small steps timed whole, by :func:`step_signature`: (forward, backward,
-    checkpointed whole, selective whole; the last two None where it could not be
-    checkpointed). ``workspace_bytes``: the kernel workspace of each call timed that has one
-    (``op_timing.workspace_bytes``: CUDA only), by ``OpCall.key_text``, measured in the same
-    runs as its time; a call timed here and not listed has none. ``fresh_mapping_s_per_byte``:
-    on a CPU, what a block of memory mapped afresh costs per byte (``op_timing.FreshMemory``;
-    which blocks are is the process's allocator settings', not the calibration's).
-    """
-
-    device: str
-    torch_version: str
-    dtype: str
-    call_overhead_s: float
-    checkpoint: CheckpointOverhead
-    op_times_s: Mapping[str, float | None] = field(default_factory=dict)
-    step_times_s: Mapping[str, tuple[float, float, float | None, float | None]] = field(
-        default_factory=dict
-    )
-    workspace_bytes: Mapping[str, int] = field(default_factory=dict)
-    fresh_mapping_s_per_byte: float = 0.0
-
-    def __post_init__(self) -> None:
-        # read-only: a calibration shared by plans must not change under them
-        object.__setattr__(self, "op_times_s", MappingProxyType(dict(self.op_times_s)))
-        object.__setattr__(self, "workspace_bytes", MappingProxyType(dict(self.workspace_bytes)))
-        steps = {k: tuple(v) for k, v in self.step_times_s.items()}
-        object.__setattr__(self, "step_times_s", MappingProxyType(steps))
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.device, self.torch_version, self.dtype)
-
-    def timing(
-        self, source: str = "", step: str | None = None, device: torch.device | None = None
-    ) -> DeviceTiming:
-        """The torch-free data the estimator prices with (``passes/op_timing.DeviceTiming``),
-        with the step of signature ``step`` if it was timed whole, and the blocks this
-        process's allocator for ``device`` maps afresh."""
-        timed = self.step_times_s.get(step) if step is not None else None
-        step_time = None if timed is None else StepTime(*timed)
-        min_bytes = None if device is None else mapped_afresh_min_bytes(device)
-        return DeviceTiming(
-            self.op_times_s,
-            self.call_overhead_s,
-            self.checkpoint,
-            source,
-            step_time,
-            self.workspace_bytes,
-            FreshMemory(min_bytes, self.fresh_mapping_s_per_byte),
-            host_overlaps=not self.device.startswith("cpu:"),
-        )
-
-    def with_times(
-        self, times_s: Mapping[str, float | None], workspaces: Mapping[str, int] | None = None
-    ) -> Calibration:
-        """This calibration with more calls (``workspaces``: the kernel workspaces of those
-        that have one); a call it already has keeps its figures, time and workspace."""
-        new = {k: n for k, n in (workspaces or {}).items() if k not in self.op_times_s and n}
-        return replace(
-            self,
-            op_times_s={**times_s, **self.op_times_s},
-            workspace_bytes={**self.workspace_bytes, **new},
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "device": self.device,
-            "torch_version": self.torch_version,
-            "dtype": self.dtype,
-            "call_overhead_s": self.call_overhead_s,
-            "checkpoint": asdict(self.checkpoint),
-            "op_times_s": dict(sorted(self.op_times_s.items())),
-            "step_times_s": {k: list(v) for k, v in sorted(self.step_times_s.items())},
-            "workspace_bytes": dict(sorted(self.workspace_bytes.items())),
-            "fresh_mapping_s_per_byte": self.fresh_mapping_s_per_byte,
-        }
-
-    @classmethod
-    def from_json(cls, body: Any, where: str = "the calibration") -> Calibration:
-        fix = "Delete it and plan again to calibrate anew."
-        body = check_header(
-            body, FORMAT, VERSION, CalibrationError, where=where, kind="calibration", fix=fix
-        )
-        try:
-            ck = body["checkpoint"]
-            return cls(
-                device=str(body["device"]),
-                torch_version=str(body["torch_version"]),
-                dtype=str(body["dtype"]),
-                call_overhead_s=float(body["call_overhead_s"]),
-                checkpoint=CheckpointOverhead(
-                    **{f.name: float(ck[f.name]) for f in fields(CheckpointOverhead)}
-                ),
-                op_times_s={
-                    str(k): None if v is None else float(v) for k, v in body["op_times_s"].items()
-                },
-                step_times_s={
-                    str(k): tuple(None if x is None else float(x) for x in v)
-                    for k, v in body.get("step_times_s", {}).items()
-                },
-                workspace_bytes={str(k): int(v) for k, v in body["workspace_bytes"].items()},
-                fresh_mapping_s_per_byte=float(body["fresh_mapping_s_per_byte"]),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CalibrationError(
-                f"{where} is missing or has a malformed field ({e!r}); delete it and plan again "
-                f"to calibrate anew"
-            ) from None
-
-    def save(self, path: str | Path) -> None:
-        """Write this calibration as JSON (atomically: a reader never sees half a file)."""
-        _write_json(Path(path), self.to_json())
-
-    @classmethod
-    def load(cls, path: str | Path) -> Calibration:
-        """Read a calibration written by :meth:`save` (CalibrationError if it is not one)."""
-        try:
-            body = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise CalibrationError(f"cannot read calibration {path}: {e}") from None
-        except ValueError as e:
-            raise CalibrationError(
-                f"{path} is not JSON ({e}); delete it to calibrate anew"
-            ) from None
-        return cls.from_json(body, str(path))
-
-
-def _write_json(path: Path, body: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f, indent=0)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared (CI) calibration
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def device_name(device: torch.device) -> str:
-    """The name a calibration is kept under: the CUDA device's name, or the CPU's machine,
-    processor and thread count (CPU kernels' speed depends on the threads torch uses)."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    if device.type == "cpu":
-        cpu = platform.processor() or platform.machine()
-        return f"cpu:{cpu}:{torch.get_num_threads()} threads"
-    return device.type
 
 
 def cache_dir() -> Path | None:
@@ -414,7 +225,7 @@ class CalibrationTimer:
                 f"(planner.calibration.current(...).save(path)), or pass calibration=None"
             )
 
-    def __call__(self, calls: Sequence[OpCall], device: torch.device) -> DeviceTiming:
+    def __call__(self, calls: Sequence[OpCall], device: torch.device) -> Calibration:
         distributed = is_distributed()
         import torch.distributed as dist
 
@@ -465,7 +276,7 @@ class CalibrationTimer:
         if not isinstance(self.pinned, Calibration):
             _PROCESS[calibration.key] = calibration
         self.used = calibration
-        return calibration.timing(f"{calibration.device}, {self.source}", signature, device)
+        return calibration.for_step(f"{calibration.device}, {self.source}", signature, device)
 
     def _time_small_step(
         self,

@@ -21,11 +21,12 @@ from benchmarks.page_faults import LargeBlocks
 from planner import calibration
 from planner.devices import profile_of_model
 from planner.measurement import _step
-from planner.passes import fresh_memory
+from planner.passes import device_calibration, fresh_memory
 from planner.passes.capture import capture
+from planner.passes.device_calibration import Calibration
 from planner.passes.estimate import estimate
 from planner.passes.fresh_memory import FRESH_SHARE, FreshMemory
-from planner.passes.op_timing import DeviceTiming
+from planner.passes.overhead_fits import CheckpointOverhead
 
 glibc = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
@@ -148,7 +149,16 @@ def test_the_estimate_charges_every_large_block_the_step_allocates():
     fresh = FreshMemory(min_bytes=MiB, seconds_per_byte=1e-9)
 
     def timer(calls, device):  # noqa: ANN001
-        return DeviceTiming({c.key_text: 0.0 for c in calls}, fresh_memory=fresh)
+        return Calibration(
+            "cpu:test",
+            "",
+            "",
+            0.0,
+            CheckpointOverhead(),
+            op_times_s={c.key_text: 0.0 for c in calls},
+            fresh_mapping_s_per_byte=fresh.seconds_per_byte,
+            fresh_min_bytes=fresh.min_bytes,
+        )
 
     c = capture(model, (x,))
     graph = estimate(
@@ -184,9 +194,9 @@ def test_a_plan_says_when_page_faults_are_a_share_of_its_step(monkeypatch, tmp_p
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512), nn.Tanh())
     x = torch.randn(384, 512)
-    monkeypatch.setattr(calibration, "mapped_afresh_min_bytes", lambda device: None)
+    monkeypatch.setattr(device_calibration, "mapped_afresh_min_bytes", lambda device: None)
     reused = planner.plan(model, x, 1.0, loss_fn=torch.sum, calibration=pinned)
-    monkeypatch.setattr(calibration, "mapped_afresh_min_bytes", lambda device: MiB)
+    monkeypatch.setattr(device_calibration, "mapped_afresh_min_bytes", lambda device: MiB)
     fresh = planner.plan(copy.deepcopy(model), x, 1.0, loss_fn=torch.sum, calibration=pinned)
     assert fresh.graph.step_time_s > reused.graph.step_time_s
     assert "page faults" in fresh.summary() and "MALLOC_MMAP_MAX_=0" in fresh.summary()

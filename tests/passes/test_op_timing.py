@@ -13,9 +13,10 @@ from benchmarks.models import gpt_ref_small_example
 from planner.devices import profile_of_model
 from planner.passes import cpu_timing, op_timing, overhead_fits, timing_runs
 from planner.passes.capture import capture
+from planner.passes.device_calibration import Calibration
 from planner.passes.estimate import estimate
 from planner.passes.op_call import op_call, real_arguments
-from planner.passes.op_timing import DeviceTiming, time_calls
+from planner.passes.op_timing import time_calls
 from planner.passes.overhead_fits import CheckpointOverhead, call_overhead_s, host_floor_s
 from planner.passes.step import StepTime
 
@@ -223,7 +224,7 @@ STAND_IN = CheckpointOverhead(region_s=40e-6, per_saving_node_s=3e-6, per_select
 def _fixed_timer(calls, device):  # noqa: ANN001, ANN202
     texts = sorted({c.key_text for c in calls})
     times = {text: (k % 9 + 1) * 1e-6 for k, text in enumerate(texts)}
-    return DeviceTiming(times, call_overhead_s=5e-6, checkpoint=STAND_IN)
+    return Calibration("cpu:test", "", "", 5e-6, STAND_IN, op_times_s=times)
 
 
 def _timed(c, step_time: StepTime):
@@ -361,7 +362,9 @@ def test_on_an_accelerator_each_call_takes_at_least_the_hosts_time():
             seen[:] = calls
             texts = sorted({x.key_text for x in calls})
             times = {t: (k % 9 + 1) * 1e-6 for k, t in enumerate(texts)}
-            return DeviceTiming(times, call_overhead_s=host_s, host_overlaps=overlaps)
+            # a calibration of an accelerator (host_overlaps) or of a CPU
+            device = "cuda:test" if overlaps else "cpu:test"
+            return Calibration(device, "", "", host_s, CheckpointOverhead(), op_times_s=times)
 
         rates = profile_of_model(c.module)
         graph = estimate(

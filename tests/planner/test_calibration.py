@@ -23,7 +23,7 @@ from planner.calibration import Calibration, CalibrationError
 from planner.calibration_counts import MEASUREMENTS
 from planner.devices import profile_of_model
 from planner.fsdp import per_rank
-from planner.passes import fresh_memory
+from planner.passes import device_calibration, fresh_memory
 from planner.passes.eager import eager_graph
 from planner.passes.op_call import TensorSpec, op_call
 from planner.passes.overhead_fits import CheckpointOverhead
@@ -106,7 +106,7 @@ def test_on_disk_round_trip(cache):
     held = calibration._PROCESS[next(iter(calibration._PROCESS))]
     loaded = Calibration.load(files[0])
     assert loaded == held and len(loaded.op_times_s) == MEASUREMENTS["ops"] - before
-    assert loaded.device == calibration.device_name(torch.device("cpu"))
+    assert loaded.device == device_calibration.device_name(torch.device("cpu"))
     assert loaded.torch_version == torch.__version__ and loaded.dtype == "float32"
     # what a block mapped afresh costs is measured once and kept (0 without a fault count)
     assert (loaded.fresh_mapping_s_per_byte > 0) == (fresh_memory.resource is not None)
@@ -187,7 +187,7 @@ def test_a_bad_calibration_is_a_clear_error(cache, tmp_path):
             "version 99.*calibrate anew",
         ),
         (
-            json.dumps({"format": "planner-calibration", "version": calibration.VERSION}),
+            json.dumps({"format": "planner-calibration", "version": device_calibration.VERSION}),
             "malformed field",
         ),
     ]

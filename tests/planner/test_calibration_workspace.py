@@ -40,7 +40,7 @@ def test_workspaces_round_trip_through_json_and_disk(tmp_path):
     held.save(tmp_path / "c.json")
     loaded = Calibration.load(tmp_path / "c.json")
     assert loaded == held and dict(loaded.workspace_bytes) == {"a": 4096}
-    assert dict(loaded.timing().workspace_bytes) == {"a": 4096}
+    assert dict(loaded.for_step().workspace_bytes) == {"a": 4096}
     with pytest.raises(TypeError):
         loaded.workspace_bytes["b"] = 1  # type: ignore[index]  # read-only, as its times
 
