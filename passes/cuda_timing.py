@@ -50,7 +50,7 @@ def time_back_to_back(call: OpCall, device: torch.device, repeats: int) -> float
 def stretch_s(run: Callable[[], None], device: torch.device, repeats: int) -> float:
     """The fastest of ``repeats`` stretches of back-to-back runs (MIN_STRETCH_S each), per run:
     on an accelerator, where kernels queue behind one another as in a step, and for calls whose
-    data stays in the CPU's caches (``hot``)."""
+    data stays in the CPU's caches."""
     now = clock(device)
 
     def sync() -> None:

@@ -48,7 +48,8 @@ class CalibrationError(PlannerError):
 
 @dataclass(frozen=True)
 class Calibration:
-    """What was measured about one device, for one torch version and dtype (module docstring).
+    """What was measured about one device, for one torch version and dtype (kept per process
+    and on disk by ``planner/calibration.py``).
 
     ``op_times_s``: seconds per call by ``OpCall.key_text`` (None: the call did not run on
     random tensors and is priced by the roofline). ``call_overhead_s``: what a training step

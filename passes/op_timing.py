@@ -57,8 +57,8 @@ def time_call(call: OpCall, device: torch.device, repeats: int = 5) -> float | N
     """Seconds per call of ``call`` on ``device`` (on the CPU the median of ``repeats`` runs,
     each on data evicted from the caches; elsewhere the fastest of ``repeats`` stretches of
     back-to-back runs), not cached; None for a call that does not run on random tensors. On
-    CUDA the same runs measure its kernel workspace, which :func:`workspace_bytes` then
-    gives."""
+    CUDA the same runs measure its kernel workspace, which ``cuda_timing.workspace_bytes``
+    then gives."""
     return time_each([call], device, repeats)[0]
 
 

@@ -240,7 +240,7 @@ class CalibrationTimer:
             if self.sweep is not None:
                 scaled, expected = self.sweep.estimates(calibration.op_times_s, calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
-            # measured as they were timed (op_timing.workspace_bytes); the scaled ones, not
+            # measured as they were timed (cuda_timing.workspace_bytes); the scaled ones, not
             # timed, by one run each: a kernel's scratch is its library's choice at each size
             # (an algorithm, a split), not its rows times a ratio
             made = {c.key_text: c for c in calls if c.key_text in new}
@@ -291,7 +291,7 @@ class CalibrationTimer:
         alone_s = sum(calibration.op_times_s.get(c.key_text) or 0.0 for c in calls)
         if alone_s >= SMALL_STEP_S:
             return None
-        # the clock the op times were taken by (passes/op_timing.clock)
+        # the clock the op times were taken by (passes/timing_runs.clock)
         timed = self.step("cpu" if clock(device) is time.process_time else "wall")
         if timed is None:
             return None

@@ -1,4 +1,4 @@
-"""Kernel workspaces priced on CUDA (``op_timing.workspace_bytes``, ``costing.with_workspaces``).
+"""Kernel workspaces priced on CUDA (``cuda_timing.workspace_bytes``, ``costing.with_workspaces``).
 
 cuDNN convolutions and some reductions allocate scratch through the caching allocator inside
 their call, which the step's peak (``max_memory_allocated``) counts and a fake-tensor trace

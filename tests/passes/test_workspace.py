@@ -1,4 +1,4 @@
-"""Kernel workspaces (``op_timing.workspace_bytes``, ``costing.with_workspaces``): scratch a CUDA
+"""Kernel workspaces (``cuda_timing.workspace_bytes``, ``costing.with_workspaces``): scratch a CUDA
 kernel allocates and frees inside its call, which no fake tensor shows. Measured on CUDA only
 (tests/cuda/test_workspace.py); here a timer injects figures into a tiny MLP's pricing, and the
 working sets they raise are checked by hand. On the CPU every figure is 0 and nothing moves."""

@@ -1,7 +1,7 @@
 """Kernel workspaces in a device's calibration (planner/calibration.py): kept by call as the
 times are, in the process and on disk, the first figure written winning; a calibration file
 from before them (format version 1) is measured anew. No CUDA here: the figures are injected
-where ``op_timing.workspace_bytes`` would give them, and no op is timed for real."""
+where ``cuda_timing.workspace_bytes`` would give them, and no op is timed for real."""
 
 from __future__ import annotations
 
