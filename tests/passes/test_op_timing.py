@@ -335,6 +335,28 @@ def test_the_checkpoint_overhead_fit_recovers_the_overhead_of_its_steps(monkeypa
     assert fitted.offload_region_s == fitted.per_offloaded_storage_s == 0.0
 
 
+def test_where_the_host_is_apart_the_fit_prices_each_offloaded_storage(monkeypatch):
+    """On a device apart from the host (CUDA) the fit also steps the chains offloaded: each
+    offloaded step taking the plain step and 50 us per region + 7 us per storage sent (one per
+    layer), read off steps timed by a fake (what the figures come to on a GPU is measured in
+    tests/cuda/test_timing.py)."""
+    offload_region_s, per_storage_s, regions = 50e-6, 7e-6, 16
+    steps_s = []
+    for layers, plain_s in ((1, 0.010), (8, 0.030)):
+        offload_s = plain_s + regions * (offload_region_s + layers * per_storage_s)
+        # plain, forward, checkpointed, selective (no bookkeeping of their own), offloaded
+        steps_s += [plain_s, 0.004, plain_s + 0.004, plain_s + 0.004, offload_s]
+    times = iter(steps_s)
+    monkeypatch.setattr(overhead_fits, "host_apart", lambda device: True)
+    monkeypatch.setattr(overhead_fits, "_best_step_s", lambda step, repeats, device: next(times))
+    fitted = overhead_fits.measure_checkpoint_overhead(torch.device("cpu"), regions=regions)
+    assert next(times, None) is None  # every step timed once, the offloaded ones too
+    assert fitted.offload_region_s == pytest.approx(offload_region_s)
+    assert fitted.per_offloaded_storage_s == pytest.approx(per_storage_s)
+    checkpoint_s = (fitted.region_s, fitted.per_saving_node_s, fitted.per_selective_call_s)
+    assert checkpoint_s == pytest.approx((0.0, 0.0, 0.0), abs=1e-12)  # none in the fake's steps
+
+
 @given(
     st.lists(st.floats(1e-7, 1e-2), min_size=1, max_size=40),
     st.floats(0.0, 2.0),
