@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from benchmarks.models import gpt_ref_small_example
 from planner.devices import profile_of_model
-from planner.passes import cpu_timing, op_timing, overhead_fits, timing_runs
+from planner.passes import cpu_timing, cuda_timing, op_timing, overhead_fits, timing_runs
 from planner.passes.capture import capture
 from planner.passes.device_calibration import Calibration
 from planner.passes.estimate import estimate
@@ -95,6 +95,26 @@ def test_cpu_calls_are_timed_on_data_evicted_from_the_caches(monkeypatch):
     round_ = ["evict", "add other", "add", "neg other", "neg"]
     assert events == round_ * 3
     assert times == [1.0, 1.0]  # each timed run read two ticks of the fake clock apart
+
+
+def test_on_cuda_each_timed_stretch_waits_for_its_kernels(monkeypatch):
+    """A kernel launch returns before the kernel has run: on CUDA the clock that ends each
+    timed stretch is read only after the device is synchronised. The order of those events is
+    what is asserted, on a fake clock and a fake synchronisation (no device needed); what the
+    kernels take is measured in tests/cuda/test_timing.py."""
+    events: list[str] = []
+    ticks = iter(range(1000))
+
+    def now() -> float:
+        events.append("clock")
+        return float(next(ticks))
+
+    monkeypatch.setattr(cuda_timing, "clock", lambda device: now)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    seconds = cuda_timing.stretch_s(lambda: events.append("run"), torch.device("cuda"), 3)
+    # each run a second on the fake clock: a slow call, timed SLOW_REPEATS stretches of one run
+    assert events == ["clock", "run", "sync", "clock"] * timing_runs.SLOW_REPEATS
+    assert seconds == 1.0
 
 
 def test_a_slow_call_is_timed_without_a_second_run(monkeypatch):
