@@ -8,7 +8,8 @@ selective). Every figure comes from several short repeats (a CPU call's median r
 of the rest), so load on the machine moves it little, and none is a whole training step of the
 model: a cold plan times only its ops.
 
-:class:`Calibration` holds them for one (device, torch version, dtype). It is kept
+:class:`Calibration` (``passes/device_calibration.py``) holds them for one (device, torch version,
+dtype). This module keeps it
 
 - per process: later plans (other budgets, batch sizes, lengths, objectives) reuse it and time
   only the calls it lacks (new shapes);

@@ -23,10 +23,9 @@ from planner.devices import profile_of_model
 from planner.measurement import _step
 from planner.passes import device_calibration, fresh_memory
 from planner.passes.capture import capture
-from planner.passes.device_calibration import Calibration
 from planner.passes.estimate import estimate
 from planner.passes.fresh_memory import FRESH_SHARE, FreshMemory
-from planner.passes.overhead_fits import CheckpointOverhead
+from tests.helpers import fake_calibration, readings_in_pairs
 
 glibc = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
@@ -109,23 +108,9 @@ def test_a_fresh_mapping_costs_its_faults_and_unmapping(monkeypatch):
     # three mappings of 1000 faults each: first writes 3, 5 and 4 ms, second writes 1 ms,
     # closings 0.5, 0.2 and 0.4 ms
     spans_s = iter([3e-3, 1e-3, 0.5e-3, 5e-3, 1e-3, 0.2e-3, 4e-3, 1e-3, 0.4e-3])
-    clock = {"t": 0.0, "running": False}
-    faults = {"pages": 0, "running": False}
-
-    def now() -> float:  # the second of each pair of readings ends a span
-        if clock["running"]:
-            clock["t"] += next(spans_s)
-        clock["running"] = not clock["running"]
-        return clock["t"]
-
-    def minor_faults() -> int:
-        if faults["running"]:
-            faults["pages"] += 1000
-        faults["running"] = not faults["running"]
-        return faults["pages"]
-
+    now = readings_in_pairs(spans_s)  # the second of each pair of readings ends a span
     monkeypatch.setattr(fresh_memory, "clock", lambda device: now)
-    monkeypatch.setattr(fresh_memory, "minor_faults", minor_faults)
+    monkeypatch.setattr(fresh_memory, "minor_faults", readings_in_pairs([1000] * 3))
     fault_s, unmap_s = fresh_memory._mapping_costs_s.__wrapped__()
     assert next(spans_s, None) is None  # three mappings, three spans each
     assert fault_s == pytest.approx((4e-3 - 1e-3) / 1000)
@@ -149,13 +134,8 @@ def test_the_estimate_charges_every_large_block_the_step_allocates():
     fresh = FreshMemory(min_bytes=MiB, seconds_per_byte=1e-9)
 
     def timer(calls, device):  # noqa: ANN001
-        return Calibration(
-            "cpu:test",
-            "",
-            "",
-            0.0,
-            CheckpointOverhead(),
-            op_times_s={c.key_text: 0.0 for c in calls},
+        return fake_calibration(
+            {c.key_text: 0.0 for c in calls},
             fresh_mapping_s_per_byte=fresh.seconds_per_byte,
             fresh_min_bytes=fresh.min_bytes,
         )

@@ -13,12 +13,12 @@ from benchmarks.models import gpt_ref_small_example
 from planner.devices import profile_of_model
 from planner.passes import cpu_timing, cuda_timing, op_timing, overhead_fits, timing_runs
 from planner.passes.capture import capture
-from planner.passes.device_calibration import Calibration
 from planner.passes.estimate import estimate
 from planner.passes.op_call import op_call, real_arguments
 from planner.passes.op_timing import time_calls
 from planner.passes.overhead_fits import CheckpointOverhead, call_overhead_s, host_floor_s
 from planner.passes.step import StepTime
+from tests.helpers import fake_calibration, readings_in_pairs
 
 
 def test_identical_blocks_get_identical_measured_times():
@@ -129,25 +129,9 @@ def test_a_slow_call_is_timed_without_a_second_run(monkeypatch):
 def _timed_with(monkeypatch, runs: list[tuple[float, int]]) -> float:
     """A call's cold timing when its runs take these (seconds, pages faulted), by a fake clock
     and fault count, a fresh page priced 2 us."""
-    seconds = iter(s for s, _ in runs)
-    faults = iter(f for _, f in runs)
-    clock = {"t": 0.0, "running": False}
-    count = {"pages": 0, "running": False}
-
-    def now() -> float:  # the second of each pair of readings ends a run
-        if clock["running"]:
-            clock["t"] += next(seconds)
-        clock["running"] = not clock["running"]
-        return clock["t"]
-
-    def minor_faults() -> int:
-        if count["running"]:
-            count["pages"] += next(faults)
-        count["running"] = not count["running"]
-        return count["pages"]
-
+    now = readings_in_pairs(s for s, _ in runs)  # the second of each pair ends a run
     monkeypatch.setattr(cpu_timing, "clock", lambda device: now)
-    monkeypatch.setattr(cpu_timing, "minor_faults", minor_faults)
+    monkeypatch.setattr(cpu_timing, "minor_faults", readings_in_pairs(f for _, f in runs))
     monkeypatch.setattr(cpu_timing, "fault_cost_s", lambda: 2e-6)
     monkeypatch.setattr(cpu_timing, "_clock_cost_s", lambda: 0.0)
     call = op_call(torch.ops.aten.neg.default, (torch.randn(8),), {})
@@ -244,7 +228,7 @@ STAND_IN = CheckpointOverhead(region_s=40e-6, per_saving_node_s=3e-6, per_select
 def _fixed_timer(calls, device):  # noqa: ANN001, ANN202
     texts = sorted({c.key_text for c in calls})
     times = {text: (k % 9 + 1) * 1e-6 for k, text in enumerate(texts)}
-    return Calibration("cpu:test", "", "", 5e-6, STAND_IN, op_times_s=times)
+    return fake_calibration(times, call_overhead_s=5e-6, checkpoint=STAND_IN)
 
 
 def _timed(c, step_time: StepTime):
@@ -406,7 +390,7 @@ def test_on_an_accelerator_each_call_takes_at_least_the_hosts_time():
             times = {t: (k % 9 + 1) * 1e-6 for k, t in enumerate(texts)}
             # a calibration of an accelerator (host_overlaps) or of a CPU
             device = "cuda:test" if overlaps else "cpu:test"
-            return Calibration(device, "", "", host_s, CheckpointOverhead(), op_times_s=times)
+            return fake_calibration(times, device=device, call_overhead_s=host_s)
 
         rates = profile_of_model(c.module)
         graph = estimate(

@@ -11,14 +11,13 @@ import torch
 from planner.devices import profile_of_model
 from planner.passes.capture import capture
 from planner.passes.cuda_timing import workspace_bytes
-from planner.passes.device_calibration import Calibration
 from planner.passes.eager import eager_graph
 from planner.passes.estimate import estimate
 from planner.passes.op_call import TensorSpec, op_call
 from planner.passes.op_timing import time_calls
-from planner.passes.overhead_fits import CheckpointOverhead
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
+from tests.helpers import fake_calibration
 
 pytestmark = pytest.mark.filterwarnings("ignore::planner.LossFallbackWarning")
 
@@ -48,15 +47,7 @@ def _timer(picks: dict):
             if str(c.op) == op and _shapes(c) == shapes
         }
         assert len(workspaces) == len(picks), "each pick names one call of the step"
-        return Calibration(
-            "cpu:test",
-            "",
-            "",
-            0.0,
-            CheckpointOverhead(),
-            op_times_s={c.key_text: 1e-6 for c in calls},
-            workspace_bytes=workspaces,
-        )
+        return fake_calibration({c.key_text: 1e-6 for c in calls}, workspace_bytes=workspaces)
 
     return timer
 
@@ -134,13 +125,8 @@ def test_on_the_cpu_every_workspace_is_zero_and_nothing_moves():
     def timer(calls, device):
         times = time_calls(calls, device)
         assert times and all(workspace_bytes(c, device) == 0 for c in calls)
-        return Calibration(
-            "cpu:test",
-            "",
-            "",
-            0.0,
-            CheckpointOverhead(),
-            op_times_s={c.key_text: times.get(c.key) for c in calls},
+        return fake_calibration(
+            {c.key_text: times.get(c.key) for c in calls},
             workspace_bytes={c.key_text: workspace_bytes(c, device) for c in calls},
         )
 
