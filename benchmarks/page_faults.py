@@ -1,4 +1,4 @@
-"""How much of a CPU step's large blocks fault in: the data behind ``op_timing.FRESH_SHARE``.
+"""How much of a CPU step's large blocks fault in: the data behind ``fresh_memory.FRESH_SHARE``.
 
     python -m benchmarks.page_faults [--models gpt-ref-32,gpt-ref-64,gpt-512,mlp,pointwise]
                                      [--steps 4]
@@ -142,7 +142,7 @@ def main() -> None:
             f"{statistics.mean(system):.2f} |",
             flush=True,
         )
-    print(f"\nmean share {statistics.mean(shares):.2f} (op_timing.FRESH_SHARE)")
+    print(f"\nmean share {statistics.mean(shares):.2f} (fresh_memory.FRESH_SHARE)")
 
 
 if __name__ == "__main__":

@@ -20,13 +20,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner.passes.op_timing import (
-    FRESH_SHARE,
-    DeviceTiming,
-    Timer,
-    host_floor_s,
-    measure_timing,
-)
+from planner.passes.device_calibration import Calibration
+from planner.passes.fresh_memory import FRESH_SHARE
+from planner.passes.op_timing import Timer, measure_timing
+from planner.passes.overhead_fits import host_floor_s
 from planner.passes.step import StepTime
 from planner.passes.trace import OpRecord, RecordedCall, Segment, Storage, Tracker, is_tensor
 from planner.solvers.costgraph import BufferChange, CostGraph, GradBuffer, Node, Tensor
@@ -261,7 +258,7 @@ def with_workspaces(
     graph: CostGraph, tracker: Tracker, workspace_bytes: Mapping[str, int]
 ) -> tuple[CostGraph, int]:
     """``graph`` with each node's forward and backward working sets raised by its calls' kernel
-    workspaces (``op_timing.workspace_bytes``: scratch a CUDA kernel allocates and frees inside
+    workspaces (``cuda_timing.workspace_bytes``: scratch a CUDA kernel allocates and frees inside
     the call, by ``OpCall.key_text``), and how many nodes that raised.
 
     A call's workspace stands on what is live once its outputs are allocated
@@ -303,7 +300,7 @@ def with_workspaces(
 
 
 def _measured_times(
-    tracker: Tracker, timing: DeviceTiming, rates: DeviceProfile, step_time: StepTime | None
+    tracker: Tracker, timing: Calibration, rates: DeviceProfile, step_time: StepTime | None
 ) -> tuple[dict[tuple[str, int], float], str]:
     """Seconds per (phase, node): its aten calls timed alone on ``device`` (the roofline for
     those that cannot run alone), plus what the step spends per call around them, and how.
@@ -312,9 +309,9 @@ def _measured_times(
     per-call share is fitted per phase so the phase adds up to its measured time: the model's
     own Python, autograd and dispatch, not a stand-in's. When the ops timed alone already take
     longer than the phase (they missed cache reuse the real step has), they are scaled down
-    instead. Without it, the share of a stand-in chain (``op_timing.call_overhead_s``, in
+    instead. Without it, the share of a stand-in chain (``overhead_fits.call_overhead_s``, in
     ``timing``). On an accelerator that share is the host's time per call, which overlaps the
-    kernels (``op_timing.host_overlaps``): a call costs at least it, not it more.
+    kernels (``overhead_fits.host_overlaps``): a call costs at least it, not it more.
     """
     measured = timing.op_times_s
 

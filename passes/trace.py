@@ -34,7 +34,7 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.passes.kernel_storages import real_storage_bytes
 from planner.passes.nodes import written_arguments
-from planner.passes.op_timing import OpCall, op_call
+from planner.passes.op_call import OpCall, op_call
 from planner.passes.step import (
     amp_backward,
     autocast_dtypes,

@@ -29,7 +29,6 @@ from planner.solvers.errors import (
 if TYPE_CHECKING:
     from planner.batch_search import BatchFit, fit_batch
     from planner.caches import clear_caches
-    from planner.calibration import Calibration, CalibrationError
     from planner.comparison import Comparison, compare
     from planner.device_budget import DeviceFit, device_fit, step_budget_gb
     from planner.devices import DeviceProfile
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
     from planner.hf_checkpointing import applied_plan
     from planner.inplace import remove
     from planner.measurement import Measurement, measure
+    from planner.passes.device_calibration import Calibration, CalibrationError
     from planner.planning import apply_plan, plan
     from planner.plans import InplacePlan, Plan, Region
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 _PUBLIC = {
     "planner.batch_search": ("BatchFit", "fit_batch"),
     "planner.caches": ("clear_caches",),
-    "planner.calibration": ("Calibration", "CalibrationError"),
+    "planner.passes.device_calibration": ("Calibration", "CalibrationError"),
     "planner.comparison": ("Comparison", "compare"),
     "planner.device_budget": ("DeviceFit", "device_fit", "step_budget_gb"),
     "planner.devices": ("DeviceProfile",),

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from planner.calibration import Calibration, batch_sweep
+from planner.batch_sweep import BatchSweep
+from planner.calibration import Calibration
 from planner.devices import DeviceProfile
 from planner.fsdp import FSDPConfig
 from planner.passes.step import LossFn
@@ -306,38 +307,38 @@ def fit_batch(
     limit = SharedTimeLimit.starting_now(default_time_limit_s(solver, solver_opts))
     bar = tqdm(sizes, disable=not progress, delay=1.0, unit="size", desc="fit_batch")
     # each size prices the calls it shares with the last, grown, from the last's
-    with batch_sweep():
-        for k, b in enumerate(bar):
-            bar.set_description(f"fit_batch: batch {b}")
-            priced = options.price(model, make_input(b))
-            device_name = _device_name(priced.graph)
-            eager = _eager_columns(priced, b)
-            try:
-                # a sweep stops at the first size that does not fit, usually long before the
-                # list's end: a share of what is left as if at most SWEEP_SHARES sizes remained
-                left = len(sizes) - k
-                shares = min(left, SWEEP_SHARES) if sweep else left
-                with limit.solving():
-                    p = priced.plan(
-                        cap_bytes,
-                        solver,
-                        **options.solving,
-                        **{**solver_opts, "time_limit_s": limit.share_s(shares)},
-                    )
-            except InfeasibleBudgetError as e:
-                # min_bytes None: the solver ran out of time before it knew the least
-                rows.append(BatchRow.no_fit(b, e.min_bytes, eager, cut_short=e.min_bytes is None))
-                if sweep:
-                    break  # a larger batch needs more still
-                continue
-            except RecomputeCapError as e:  # fits the cap only by recomputing more than allowed
-                cap_errors.append(e)
-                rows.append(BatchRow.no_fit(b, None, eager))
-                if sweep:
-                    break  # a larger batch needs more still
-                continue
-            rows.append(BatchRow.of_plan(b, p, eager))
-            plans[b] = p
+    scaling = BatchSweep()
+    for k, b in enumerate(bar):
+        bar.set_description(f"fit_batch: batch {b}")
+        priced = options.price(model, make_input(b), sweep=scaling)
+        device_name = _device_name(priced.graph)
+        eager = _eager_columns(priced, b)
+        try:
+            # a sweep stops at the first size that does not fit, usually long before the
+            # list's end: a share of what is left as if at most SWEEP_SHARES sizes remained
+            left = len(sizes) - k
+            shares = min(left, SWEEP_SHARES) if sweep else left
+            with limit.solving():
+                p = priced.plan(
+                    cap_bytes,
+                    solver,
+                    **options.solving,
+                    **{**solver_opts, "time_limit_s": limit.share_s(shares)},
+                )
+        except InfeasibleBudgetError as e:
+            # min_bytes None: the solver ran out of time before it knew the least
+            rows.append(BatchRow.no_fit(b, e.min_bytes, eager, cut_short=e.min_bytes is None))
+            if sweep:
+                break  # a larger batch needs more still
+            continue
+        except RecomputeCapError as e:  # fits the cap only by recomputing more than allowed
+            cap_errors.append(e)
+            rows.append(BatchRow.no_fit(b, None, eager))
+            if sweep:
+                break  # a larger batch needs more still
+            continue
+        rows.append(BatchRow.of_plan(b, p, eager))
+        plans[b] = p
     bar.close()
     fitting = [r for r in rows if r.fits]
     if not fitting:

@@ -33,18 +33,18 @@ class ProcessCache:
             target.clear()
 
 
-_TIMING = "planner.passes.op_timing"
+_PASSES = "planner.passes."
 CLEARED: tuple[ProcessCache, ...] = (
-    ProcessCache(_TIMING, "_TIMES", "each op call's time, by device"),
-    ProcessCache(_TIMING, "_WORKSPACE_BYTES", "each CUDA call's kernel workspace"),
-    ProcessCache(_TIMING, "_OVERHEAD_S", "the host's time per aten call, by device"),
-    ProcessCache(_TIMING, "_CHECKPOINT_OVERHEAD", "the fitted checkpoint overhead, by device"),
-    ProcessCache(_TIMING, "_mapping_costs_s", "a fresh page's fault and unmap costs"),
-    ProcessCache(_TIMING, "_at_start_up", "glibc's threshold for mapping a block afresh"),
-    ProcessCache(_TIMING, "_eviction_buffer", "the buffer written to evict the CPU's caches"),
-    ProcessCache(_TIMING, "_clock_cost_s", "what reading the CPU clock twice adds"),
+    ProcessCache(_PASSES + "op_timing", "_TIMES", "each op call's time, by device"),
+    ProcessCache(_PASSES + "cuda_timing", "_WORKSPACE_BYTES", "each CUDA call's kernel workspace"),
+    ProcessCache(_PASSES + "overhead_fits", "_OVERHEAD_S", "the host's time per aten call"),
+    ProcessCache(_PASSES + "overhead_fits", "_CHECKPOINT_OVERHEAD", "the checkpoint overhead"),
+    ProcessCache(_PASSES + "fresh_memory", "_mapping_costs_s", "a fresh page's fault, unmap"),
+    ProcessCache(_PASSES + "fresh_memory", "_at_start_up", "glibc's mmap threshold"),
+    ProcessCache(_PASSES + "cpu_timing", "_eviction_buffer", "written to evict the CPU's caches"),
+    ProcessCache(_PASSES + "cpu_timing", "_clock_cost_s", "what reading the CPU clock adds"),
     ProcessCache("planner.calibration", "_PROCESS", "calibrations read or measured"),
-    ProcessCache("planner.calibration", "_PRICED", "the last few models' pricings"),
+    ProcessCache("planner.pricing_cache", "_PRICED", "the last few models' pricings"),
     ProcessCache("planner.devices", "_MEASURED", "the device's measured rates"),
     ProcessCache("planner.solvers.dp", "_SOLVED_CACHE", "dp's solved levels"),
     ProcessCache("planner.solvers.dp", "_LEAST_CACHE", "dp's least feasible budgets"),
@@ -52,7 +52,7 @@ CLEARED: tuple[ProcessCache, ...] = (
 
 # Module-level tables that are not caches of what was measured or solved, and stay.
 KEPT: tuple[ProcessCache, ...] = (
-    ProcessCache("planner.calibration", "MEASUREMENTS", "a count of what was measured"),
+    ProcessCache("planner.calibration_counts", "MEASUREMENTS", "a count of what was measured"),
     ProcessCache("planner.devices", "PROFILES", "the named devices' datasheet rates"),
     ProcessCache(
         "planner.inplace",

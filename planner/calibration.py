@@ -8,7 +8,8 @@ selective). Every figure comes from several short repeats (a CPU call's median r
 of the rest), so load on the machine moves it little, and none is a whole training step of the
 model: a cold plan times only its ops.
 
-:class:`Calibration` holds them for one (device, torch version, dtype). It is kept
+:class:`Calibration` (``passes/device_calibration.py``) holds them for one (device, torch version,
+dtype). This module keeps it
 
 - per process: later plans (other budgets, batch sizes, lengths, objectives) reuse it and time
   only the calls it lacks (new shapes);
@@ -25,44 +26,31 @@ ranks price, and plan, alike (every rank must call ``plan``, as with any collect
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
-import platform
 import re
-import statistics
-import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any
 
 import torch
 
-from planner.file_format import check_header
-from planner.passes.op_timing import (
-    CheckpointOverhead,
-    DeviceTiming,
-    FreshMemory,
-    OpCall,
-    TensorSpec,
-    clock,
+from planner.batch_sweep import BatchSweep, checked
+from planner.calibration_counts import MEASUREMENTS
+from planner.passes.cuda_timing import measure_workspace_bytes, workspace_bytes
+from planner.passes.device_calibration import Calibration, CalibrationError, device_name
+from planner.passes.fresh_memory import (
     fresh_mapping_s_per_byte,
-    mapped_afresh_min_bytes,
+)
+from planner.passes.op_call import OpCall
+from planner.passes.op_timing import time_each
+from planner.passes.overhead_fits import (
     measure_call_overhead_s,
     measure_checkpoint_overhead,
-    measure_workspace_bytes,
-    time_call,
-    time_each,
-    workspace_bytes,
 )
 from planner.passes.step import StepTime
-from planner.solvers.errors import PlannerError
+from planner.passes.timing_runs import clock
 
 # A step whose calls add up to less than this is also timed whole (plain, checkpointed and
 # selective, a few interleaved rounds: well under a second), and its calls' times fitted to it:
@@ -73,190 +61,6 @@ SMALL_STEP_S = 0.05
 CACHE_DIR_ENV = "PLANNER_CACHE_DIR"
 CACHE_ENV = "PLANNER_CACHE"  # "0" (or "false", "off", "no"): no disk cache
 DEFAULT_CACHE_DIR = Path("~/.cache/planner")
-FORMAT = "planner-calibration"
-# 2: kernel workspaces (``workspace_bytes``); a version-1 file lacks them and is measured anew.
-# 3: CPU calls timed on data evicted from the caches (``passes/op_timing.py``); a version-2
-# file's figures, timed on hot data, are measured anew.
-# 4: what a block mapped afresh costs (``fresh_mapping_s_per_byte``), and page faults taken
-# off timed calls at the cost of a private mapping's (version 3 priced a shared one's).
-# 5: on CUDA, the host's time per call and the checkpoint bookkeeping (version 4 held 0 there).
-# 6: the checkpoint bookkeeping measured with a layer of work between regions, as in a model,
-# and small steps each timed after one of their own kind (version 5's were under half and 5-7%
-# over, on a CPU).
-# 7: an offload region's bookkeeping per storage it sends (``per_offloaded_storage_s``), not per
-# saving node (an H200 measured GPT's offload plans at up to twice their price).
-# 8: a CPU call's figure is its median cold run, not its fastest
-# (``op_timing._cold_cpu_times``: on a shared VM the fastest priced GPT-ref's step 18% under
-# its time).
-VERSION = 8
-
-# How many measurements this process made, by kind ("ops": calls timed, "overheads": the
-# per-call and checkpoint fits): a second plan that needs nothing new leaves them unchanged.
-MEASUREMENTS: Counter[str] = Counter()
-
-
-class CalibrationError(PlannerError):
-    """A calibration file that cannot be read, or one made for another device."""
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What was measured about one device, for one torch version and dtype (module docstring).
-
-    ``op_times_s``: seconds per call by ``OpCall.key_text`` (None: the call did not run on
-    random tensors and is priced by the roofline). ``call_overhead_s``: what a training step
-    spends per aten call beyond the call itself. ``checkpoint``: a region's bookkeeping.
-    ``step_times_s``: small steps timed whole, by :func:`step_signature`: (forward, backward,
-    checkpointed whole, selective whole; the last two None where it could not be
-    checkpointed). ``workspace_bytes``: the kernel workspace of each call timed that has one
-    (``op_timing.workspace_bytes``: CUDA only), by ``OpCall.key_text``, measured in the same
-    runs as its time; a call timed here and not listed has none. ``fresh_mapping_s_per_byte``:
-    on a CPU, what a block of memory mapped afresh costs per byte (``op_timing.FreshMemory``;
-    which blocks are is the process's allocator settings', not the calibration's).
-    """
-
-    device: str
-    torch_version: str
-    dtype: str
-    call_overhead_s: float
-    checkpoint: CheckpointOverhead
-    op_times_s: Mapping[str, float | None] = field(default_factory=dict)
-    step_times_s: Mapping[str, tuple[float, float, float | None, float | None]] = field(
-        default_factory=dict
-    )
-    workspace_bytes: Mapping[str, int] = field(default_factory=dict)
-    fresh_mapping_s_per_byte: float = 0.0
-
-    def __post_init__(self) -> None:
-        # read-only: a calibration shared by plans must not change under them
-        object.__setattr__(self, "op_times_s", MappingProxyType(dict(self.op_times_s)))
-        object.__setattr__(self, "workspace_bytes", MappingProxyType(dict(self.workspace_bytes)))
-        steps = {k: tuple(v) for k, v in self.step_times_s.items()}
-        object.__setattr__(self, "step_times_s", MappingProxyType(steps))
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.device, self.torch_version, self.dtype)
-
-    def timing(
-        self, source: str = "", step: str | None = None, device: torch.device | None = None
-    ) -> DeviceTiming:
-        """The torch-free data the estimator prices with (``passes/op_timing.DeviceTiming``),
-        with the step of signature ``step`` if it was timed whole, and the blocks this
-        process's allocator for ``device`` maps afresh."""
-        timed = self.step_times_s.get(step) if step is not None else None
-        step_time = None if timed is None else StepTime(*timed)
-        min_bytes = None if device is None else mapped_afresh_min_bytes(device)
-        return DeviceTiming(
-            self.op_times_s,
-            self.call_overhead_s,
-            self.checkpoint,
-            source,
-            step_time,
-            self.workspace_bytes,
-            FreshMemory(min_bytes, self.fresh_mapping_s_per_byte),
-            host_overlaps=not self.device.startswith("cpu:"),
-        )
-
-    def with_times(
-        self, times_s: Mapping[str, float | None], workspaces: Mapping[str, int] | None = None
-    ) -> Calibration:
-        """This calibration with more calls (``workspaces``: the kernel workspaces of those
-        that have one); a call it already has keeps its figures, time and workspace."""
-        new = {k: n for k, n in (workspaces or {}).items() if k not in self.op_times_s and n}
-        return replace(
-            self,
-            op_times_s={**times_s, **self.op_times_s},
-            workspace_bytes={**self.workspace_bytes, **new},
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "device": self.device,
-            "torch_version": self.torch_version,
-            "dtype": self.dtype,
-            "call_overhead_s": self.call_overhead_s,
-            "checkpoint": asdict(self.checkpoint),
-            "op_times_s": dict(sorted(self.op_times_s.items())),
-            "step_times_s": {k: list(v) for k, v in sorted(self.step_times_s.items())},
-            "workspace_bytes": dict(sorted(self.workspace_bytes.items())),
-            "fresh_mapping_s_per_byte": self.fresh_mapping_s_per_byte,
-        }
-
-    @classmethod
-    def from_json(cls, body: Any, where: str = "the calibration") -> Calibration:
-        fix = "Delete it and plan again to calibrate anew."
-        body = check_header(
-            body, FORMAT, VERSION, CalibrationError, where=where, kind="calibration", fix=fix
-        )
-        try:
-            ck = body["checkpoint"]
-            return cls(
-                device=str(body["device"]),
-                torch_version=str(body["torch_version"]),
-                dtype=str(body["dtype"]),
-                call_overhead_s=float(body["call_overhead_s"]),
-                checkpoint=CheckpointOverhead(
-                    **{f.name: float(ck[f.name]) for f in fields(CheckpointOverhead)}
-                ),
-                op_times_s={
-                    str(k): None if v is None else float(v) for k, v in body["op_times_s"].items()
-                },
-                step_times_s={
-                    str(k): tuple(None if x is None else float(x) for x in v)
-                    for k, v in body.get("step_times_s", {}).items()
-                },
-                workspace_bytes={str(k): int(v) for k, v in body["workspace_bytes"].items()},
-                fresh_mapping_s_per_byte=float(body["fresh_mapping_s_per_byte"]),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CalibrationError(
-                f"{where} is missing or has a malformed field ({e!r}); delete it and plan again "
-                f"to calibrate anew"
-            ) from None
-
-    def save(self, path: str | Path) -> None:
-        """Write this calibration as JSON (atomically: a reader never sees half a file)."""
-        _write_json(Path(path), self.to_json())
-
-    @classmethod
-    def load(cls, path: str | Path) -> Calibration:
-        """Read a calibration written by :meth:`save` (CalibrationError if it is not one)."""
-        try:
-            body = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise CalibrationError(f"cannot read calibration {path}: {e}") from None
-        except ValueError as e:
-            raise CalibrationError(
-                f"{path} is not JSON ({e}); delete it to calibrate anew"
-            ) from None
-        return cls.from_json(body, str(path))
-
-
-def _write_json(path: Path, body: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f, indent=0)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared (CI) calibration
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def device_name(device: torch.device) -> str:
-    """The name a calibration is kept under: the CUDA device's name, or the CPU's machine,
-    processor and thread count (CPU kernels' speed depends on the threads torch uses)."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    if device.type == "cpu":
-        cpu = platform.processor() or platform.machine()
-        return f"cpu:{cpu}:{torch.get_num_threads()} threads"
-    return device.type
 
 
 def cache_dir() -> Path | None:
@@ -328,9 +132,9 @@ def _time_missing(
     expected: Mapping[str, float] | None = None,
 ):
     """The times of the calls ``calibration`` lacks: ``scaled``'s figure where it has one
-    (:func:`scaled_times`), else timed now; a call timed now at over RETIME_JUMP times its
-    ``expected`` figure (:func:`expected_times`) is timed again once the others are, and the
-    faster figure kept."""
+    (``batch_sweep.scaled_times``), else timed now; a call timed now at over RETIME_JUMP times
+    its ``expected`` figure (``batch_sweep.expected_times``) is timed again once the others
+    are, and the faster figure kept (``batch_sweep.checked``)."""
     new: dict[str, float | None] = {}
     timed: dict[str, OpCall] = {}
     for call in calls:
@@ -344,202 +148,12 @@ def _time_missing(
         timed[text] = call
     MEASUREMENTS["ops"] += len(timed)
     for (text, call), seconds in zip(timed.items(), time_each(list(timed.values()), device)):
-        new[text] = _checked(call, seconds, (expected or {}).get(text), device)
+        new[text] = checked(call, seconds, (expected or {}).get(text), device)
     return new
 
 
-# In a sweep, a call timed at more than this many times its counterpart's figure at the
-# smaller batch, scaled by their sizes, is timed again (:func:`_checked`). A burst of load on
-# the shared memory system stretches a memory-bound call's CPU time too, and the fastest of a
-# few back-to-back repeats all fall in it: GPT-ref's batch 2 was once priced 3x batch 1 (621
-# against 206 ms; 412 ms re-run), so fit_batch took batch 1, the slowest. A real step per
-# sample grows less than this in one doubling (GPT-ref's slowest call, a matmul whose output
-# outgrows the allocator's cached blocks, 1.4x), so the retry costs one more timing.
-RETIME_JUMP = 1.5
-# Below this an expected figure is left unchecked: dispatch noise, and nothing to the step.
-RETIME_MIN_S = 20e-6
-
-
-def _checked(
-    call: OpCall,
-    seconds: float | None,
-    expected_s: float | None,
-    device: torch.device,
-    repeats: int = 5,
-) -> float | None:
-    """``seconds``, or ``call`` timed again (``repeats`` runs) if that is faster, when
-    ``seconds`` is over RETIME_JUMP times ``expected_s``."""
-    if seconds is None or expected_s is None or expected_s < RETIME_MIN_S:
-        return seconds
-    if seconds <= RETIME_JUMP * expected_s:
-        return seconds
-    again = time_call(call, device, repeats)
-    MEASUREMENTS["retimed"] += 1
-    return seconds if again is None else min(seconds, again)
-
-
-# A call whose counterpart at the smaller batch took at least this long is priced from it
-# (``scaled_times``): past a millisecond a CPU kernel's time grows linearly with its rows
-# (GPT-ref's matmuls and attention from batch 8 to 64 within a few percent), and timing the
-# largest batch sizes' calls, each a few times, was most of a cold ``fit_batch``.
-SCALE_MIN_S = 1e-3
-
-
-def _numel(spec: Any) -> int:
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return n
-
-
-def _grown_by(small: OpCall, large: OpCall) -> float | None:
-    """How many times larger ``large`` is than ``small``: the same op on the same arguments
-    but tensors, each tensor the same or its element count times one ratio r > 1 (the
-    batch's), its other arguments the same or integers times r (a view's sizes); else None."""
-    if small.op != large.op or small.spec != large.spec or len(small.leaves) != len(large.leaves):
-        return None
-    ratio: float | None = None
-    for a, b in zip(small.leaves, large.leaves):
-        if a == b:
-            continue
-        if isinstance(a, TensorSpec) and isinstance(b, TensorSpec):
-            if a.dtype != b.dtype or len(a.shape) != len(b.shape) or not _numel(a):
-                return None
-            r = _numel(b) / _numel(a)
-        elif isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a:
-            r = b / a
-        else:
-            return None
-        if r <= 1 or (ratio is not None and abs(r - ratio) > 1e-9 * ratio):
-            return None
-        ratio = r
-    return ratio
-
-
-# How many of an op's largest calls ``_per_op_corrected`` times at a new batch size, and how
-# many runs each (after a warm-up): the median over the calls is what counts.
-CORRECTION_CALLS = 3
-CORRECTION_REPEATS = 1
-
-
-def _per_op_corrected(
-    scaled: Mapping[str, float], calls: Sequence[OpCall], device: torch.device
-) -> dict[str, float]:
-    """``scaled`` with each op's figures corrected by a few of its calls timed: its largest.
-
-    Linear scaling holds for compute-bound calls (matmuls: GPT-ref's within 4% from batch 8 to
-    64) but not for memory-bound ones, whose tensors outgrow the caches (softmax, GELU and
-    pointwise products 2.7-3.9 times their scaled figure at batch 64): the op's CORRECTION_CALLS
-    largest calls are timed, one run each (CORRECTION_REPEATS), and the median of their ratios
-    of timed to scaled figure applied to all the op's calls, those timed too: one call's ratio
-    alone would carry its run's noise to every call of the op, and a call run once after its
-    warm-up takes a half to a third of the runs of one timed as ``time_call`` does (the largest
-    sizes' calls were most of a cold ``fit_batch``). A few timed calls per batch size instead of
-    hundreds; one timed over RETIME_JUMP times its scaled figure is timed again
-    (:func:`_checked`)."""
-    by_text = {c.key_text: c for c in calls}
-    groups: dict[str, list[tuple[float, str]]] = {}
-    for text, seconds in scaled.items():
-        groups.setdefault(str(by_text[text].op), []).append((seconds, text))
-    out: dict[str, float] = {}
-    for group in groups.values():
-        factors = []
-        for seconds, text in sorted(group, reverse=True)[:CORRECTION_CALLS]:
-            call = by_text[text]
-            figure = time_call(call, device, CORRECTION_REPEATS)
-            figure = _checked(call, figure, seconds, device, CORRECTION_REPEATS)
-            MEASUREMENTS["ops"] += 1
-            if figure is not None:
-                factors.append(figure / seconds)
-        factor = statistics.median(factors) if factors else 1.0
-        for seconds, text in group:
-            out[text] = seconds * factor
-    return out
-
-
-class BatchSweep:
-    """What ``fit_batch`` keeps between its batch sizes: the calls of the last step priced.
-
-    A larger batch's step makes the same calls on tensors with more rows: each call whose
-    counterpart (the same occurrence of the same op, tensors grown by one ratio r:
-    :func:`paired_calls`) took at least SCALE_MIN_S is priced at r times that
-    (:func:`scaled_times`), corrected by its op's largest calls timed
-    (:func:`_per_op_corrected`), instead of being timed again, so a sweep times the calls of
-    its small batch sizes and a few calls per op of the larger ones."""
-
-    def __init__(self) -> None:
-        self.last_calls: list[OpCall] | None = None
-        # their figures (a pinned calibration object is not extended from one size to the next)
-        self.last_times_s: dict[str, float | None] = {}
-
-
-_SWEEP: ContextVar[BatchSweep | None] = ContextVar("planner_batch_sweep", default=None)
-
-
-@contextlib.contextmanager
-def batch_sweep() -> Iterator[BatchSweep]:
-    """Within: plans price each step's calls from the previous step's where they scale."""
-    token = _SWEEP.set(BatchSweep())
-    try:
-        yield _SWEEP.get()  # type: ignore[misc]
-    finally:
-        _SWEEP.reset(token)
-
-
-def paired_calls(
-    previous: Sequence[OpCall], calls: Sequence[OpCall]
-) -> list[tuple[OpCall, OpCall, float]]:
-    """Each call of ``calls`` with its counterpart in ``previous`` and how many times larger it
-    is (:func:`_grown_by`): the k-th call of an op with the k-th call of that op in
-    ``previous``, for every op both steps call equally often. Per op, not by position: a
-    step's path may differ in a few views and copies between batch sizes (GPT-ref's batch 1
-    makes 5,471 calls, batch 2 5,579), and its matmuls, softmaxes and dropouts still pair."""
-    earlier: dict[str, list[OpCall]] = {}
-    for call in previous:
-        earlier.setdefault(str(call.op), []).append(call)
-    counts = Counter(str(call.op) for call in calls)
-    seen: Counter[str] = Counter()
-    pairs = []
-    for large in calls:
-        op = str(large.op)
-        k = seen[op]
-        seen[op] += 1
-        smalls = earlier.get(op, ())
-        if len(smalls) != counts[op]:
-            continue
-        ratio = _grown_by(smalls[k], large)
-        if ratio is not None:
-            pairs.append((smalls[k], large, ratio))
-    return pairs
-
-
-Pairs = Sequence[tuple[OpCall, OpCall, float]]  # what paired_calls returns
-
-
-def expected_times(
-    times_s: Mapping[str, float | None], pairs: Pairs
-) -> dict[str, tuple[float, float]]:
-    """Call text -> (its counterpart's figure in ``times_s``, their size ratio), for the larger
-    call of each of ``pairs`` (:func:`paired_calls`) whose smaller one has a figure."""
-    out: dict[str, tuple[float, float]] = {}
-    for small, large, ratio in pairs:
-        small_s = times_s.get(small.key_text)
-        if small_s is not None and large.key_text not in out:
-            out[large.key_text] = (small_s, ratio)
-    return out
-
-
-def scaled_times(calibration: Calibration, pairs: Pairs) -> dict[str, float]:
-    """The larger calls of ``pairs`` (:func:`paired_calls`) that ``calibration`` lacks, priced
-    from their smaller counterparts' figures in it (``BatchSweep``)."""
-    return {
-        text: small_s * ratio
-        for text, (small_s, ratio) in expected_times(calibration.op_times_s, pairs).items()
-        if small_s >= SCALE_MIN_S and text not in calibration.op_times_s
-    }
-
-
-def _distributed() -> bool:
+def is_distributed() -> bool:
+    """Whether this process is one rank of several (``torch.distributed``)."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -559,7 +173,9 @@ class CalibrationTimer:
     pinned one, the process's, the disk cache's or a new one), extended by the calls it lacks.
 
     ``pinned``: a :class:`Calibration` or the path of one (created if missing; the calls it
-    lacked are written back to it); None: the process's and the disk cache's.
+    lacked are written back to it); None: the process's and the disk cache's. ``sweep``: in
+    ``fit_batch``, the sweep over batch sizes this step belongs to (``batch_sweep.BatchSweep``):
+    the calls it shares with the last size's step, grown, are priced from that step's.
     """
 
     def __init__(
@@ -567,12 +183,14 @@ class CalibrationTimer:
         dtype: torch.dtype,
         pinned: Calibration | str | Path | None = None,
         step: Callable[[str], StepTime | None] | None = None,
+        sweep: BatchSweep | None = None,
     ) -> None:
         """``step(clock)``: time the model's step whole (``measurement.measured_step_time``),
         done once per step signature and kept, if the step is small (SMALL_STEP_S)."""
         self.dtype = str(dtype).removeprefix("torch.")
         self.pinned = pinned
         self.step = step
+        self.sweep = sweep
         self.used: Calibration | None = None
         self.source = "this process's" if pinned is None else f"pinned ({pinned})"
 
@@ -608,8 +226,8 @@ class CalibrationTimer:
                 f"(planner.calibration.current(...).save(path)), or pass calibration=None"
             )
 
-    def __call__(self, calls: Sequence[OpCall], device: torch.device) -> DeviceTiming:
-        distributed = _distributed()
+    def __call__(self, calls: Sequence[OpCall], device: torch.device) -> Calibration:
+        distributed = is_distributed()
         import torch.distributed as dist
 
         rank0 = not distributed or dist.get_rank() == 0
@@ -619,17 +237,11 @@ class CalibrationTimer:
             if calibration is None:
                 calibration = _measure_new(device, self.dtype)
                 self.source = "measured now"
-            sweep = _SWEEP.get()
             scaled = expected = None
-            pairs: Pairs = ()
-            if sweep is not None and sweep.last_calls is not None:
-                pairs = paired_calls(sweep.last_calls, calls)
-                earlier_s = {**sweep.last_times_s, **calibration.op_times_s}
-                paired = expected_times(earlier_s, pairs)
-                expected = {text: small_s * ratio for text, (small_s, ratio) in paired.items()}
-                scaled = _per_op_corrected(scaled_times(calibration, pairs), calls, device)
+            if self.sweep is not None:
+                scaled, expected = self.sweep.estimates(calibration.op_times_s, calls, device)
             new = _time_missing(calibration, calls, device, scaled, expected)
-            # measured as they were timed (op_timing.workspace_bytes); the scaled ones, not
+            # measured as they were timed (cuda_timing.workspace_bytes); the scaled ones, not
             # timed, by one run each: a kernel's scratch is its library's choice at each size
             # (an algorithm, a split), not its rows times a ratio
             made = {c.key_text: c for c in calls if c.key_text in new}
@@ -641,11 +253,8 @@ class CalibrationTimer:
             }
             if new:
                 calibration = calibration.with_times(new, workspaces)
-            if sweep is not None:
-                sweep.last_calls = list(calls)
-                sweep.last_times_s = {
-                    c.key_text: calibration.op_times_s.get(c.key_text) for c in calls
-                }
+            if self.sweep is not None:
+                self.sweep.remember(calls, calibration.op_times_s)
             signature = step_signature(calls)
             timed = self._time_small_step(calibration, calls, device, signature)
             if timed is not None:
@@ -668,7 +277,7 @@ class CalibrationTimer:
         if not isinstance(self.pinned, Calibration):
             _PROCESS[calibration.key] = calibration
         self.used = calibration
-        return calibration.timing(f"{calibration.device}, {self.source}", signature, device)
+        return calibration.for_step(f"{calibration.device}, {self.source}", signature, device)
 
     def _time_small_step(
         self,
@@ -683,7 +292,7 @@ class CalibrationTimer:
         alone_s = sum(calibration.op_times_s.get(c.key_text) or 0.0 for c in calls)
         if alone_s >= SMALL_STEP_S:
             return None
-        # the clock the op times were taken by (passes/op_timing.clock)
+        # the clock the op times were taken by (passes/timing_runs.clock)
         timed = self.step("cpu" if clock(device) is time.process_time else "wall")
         if timed is None:
             return None
@@ -714,82 +323,3 @@ def forget() -> None:
     """Drop this process's calibrations (the disk cache stays): the next plan reads the disk
     cache, or measures."""
     _PROCESS.clear()
-
-
-# ------------------------------------------------------------------------- priced models
-
-# A plan prices its model's step once (a fake-tensor trace, the calibration's times); a later
-# plan of the same model and input shapes in this process (another budget, solver or objective)
-# reuses that pricing. Kept for the last few models, by what the pricing depends on.
-_PRICED: dict[tuple, tuple[Any, Any]] = {}
-PRICED_KEEP = 8
-
-
-def _spec(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        # integer and boolean inputs (token ids, masks) steer the path the model takes
-        # (transformers skips an all-ones mask), so their values are part of the key
-        values = (
-            hash(x.detach().cpu().numpy().tobytes())
-            if not x.is_floating_point() and x.device.type != "meta" and x.numel() <= 1 << 20
-            else None
-        )
-        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad, values)
-    return x if isinstance(x, (int, float, bool, str, type(None))) else ("id", id(x))
-
-
-def pricing_key(
-    model: torch.nn.Module, example_input: Any, pinned: Calibration | str | Path | None, *extra: Any
-) -> tuple | None:
-    """What a model's pricing depends on: the model (its module tree, parameters' and buffers'
-    shapes and dtypes, wrapped forwards, training mode), the input's shapes, the calibration,
-    autocast and ``extra`` (loss function, device profile, form...). None under
-    ``torch.distributed``, where every rank prices (a collective) rather than some reusing."""
-    if _distributed():
-        return None
-    from torch.utils._pytree import tree_flatten
-
-    leaves, spec = tree_flatten(example_input)
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
-    state = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in tensors)
-    modules = tuple(
-        (path, type(m).__name__, m.training, "forward" in m.__dict__)
-        for path, m in model.named_modules()
-    )
-    if isinstance(pinned, Calibration):
-        calibration: Any = ("object", id(pinned))
-    elif pinned is not None:
-        calibration = ("path", str(Path(pinned).resolve()))
-    else:
-        calibration = None
-    autocast = tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return (
-        id(model),
-        modules,
-        state,
-        str(spec),
-        tuple(_spec(x) for x in leaves),
-        calibration,
-        autocast,
-        torch.get_num_threads(),
-        *extra,
-    )
-
-
-def reuse_priced(key: tuple | None, model: torch.nn.Module, make: Any) -> Any:
-    """``make()``'s pricing of ``model``, or the one made earlier for the same ``key``."""
-    import weakref
-
-    if key is None:
-        return make()
-    found = _PRICED.get(key)
-    if found is not None and found[0]() is model:
-        return found[1]
-    priced = make()
-    _PRICED.pop(key, None)
-    _PRICED[key] = (weakref.ref(model), priced)
-    while len(_PRICED) > PRICED_KEEP:
-        _PRICED.pop(next(iter(_PRICED)))
-    return priced

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from planner import hf_checkpointing
+from planner.batch_sweep import BatchSweep
 from planner.calibration import Calibration
 from planner.devices import DeviceProfile, device_profile, profile_of_model
 from planner.passes.capture import capture
@@ -97,6 +98,7 @@ def price(
     device: str | DeviceProfile | None = None,
     on_step: OnStep = _no_progress,
     calibration: Calibration | str | Path | None = None,
+    sweep: BatchSweep | None = None,
 ) -> PricedGraph:
     """Steps 1 and 2 of the pipeline: check the model, capture it, price one training step.
 
@@ -116,7 +118,7 @@ def price(
     with hf_checkpointing.paused(model):  # priced as it runs under the plan
         captured = capture(model, taken)
     on_step("estimate")
-    timer = op_timer(model, captured.module, example_input, loss_fn, profile, calibration)
+    timer = op_timer(model, captured.module, example_input, loss_fn, profile, calibration, sweep)
     graph = estimate(
         captured.module,
         captured.args,

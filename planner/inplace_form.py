@@ -20,11 +20,8 @@ from typing import Any, ClassVar
 import torch
 
 from planner import hf_checkpointing
-from planner.calibration import (
-    Calibration,
-    pricing_key,
-    reuse_priced,
-)
+from planner.batch_sweep import BatchSweep
+from planner.calibration import Calibration
 from planner.devices import DeviceProfile, profile_of_model
 from planner.fsdp import FSDPConfig, per_rank
 from planner.guard import PlannedShape, install_guard, planned_shape
@@ -34,6 +31,7 @@ from planner.passes.step import LossFn
 from planner.plan_file import malformed, read_plan_body, read_predictions, read_regions
 from planner.plans import Plan, Region
 from planner.priced import Priced, op_timer, predictions
+from planner.pricing_cache import pricing_key, reuse_priced
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.errors import PlanFileError, PlannerError, UnsupportedModelError
 from planner.solvers.registry import get_solver
@@ -207,6 +205,7 @@ def price_inplace(
     fsdp: FSDPConfig | None = None,
     calibration: Calibration | str | Path | None = None,
     time_limit_s: float | None = None,
+    sweep: BatchSweep | None = None,
 ) -> EagerGraph:
     """Price ``model``'s eager step for an in-place plan.
 
@@ -218,7 +217,7 @@ def price_inplace(
     """
 
     def make() -> EagerGraph:
-        timer = op_timer(model, model, example_input, loss_fn, device, calibration)
+        timer = op_timer(model, model, example_input, loss_fn, device, calibration, sweep)
         with hf_checkpointing.paused(model):
             eg = eager_graph(
                 model,

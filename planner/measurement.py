@@ -151,7 +151,7 @@ def time_step(
     The median of ``repeats`` steps after ``warmup`` ones; state is restored as by :func:`measure`.
     ``clock="cpu"``: this process's CPU time instead (on a shared CPU, what the step cost this
     process without the time other processes ran; one-thread CPU steps only, as a device
-    calibration times them, ``passes/op_timing.clock``).
+    calibration times them, ``passes/timing_runs.clock``).
     """
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")

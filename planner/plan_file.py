@@ -22,7 +22,7 @@ from typing import Any, get_type_hints
 import torch
 
 from planner import plans
-from planner.file_format import check_header
+from planner.passes.file_format import check_header
 from planner.plans import Plan, Region
 from planner.solvers.errors import PlanFileError
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from planner import graph_form, inplace_form
+from planner.batch_sweep import BatchSweep
 from planner.calibration import Calibration
 from planner.devices import DeviceProfile, device_profile
 from planner.fsdp import FSDPConfig
@@ -157,11 +158,13 @@ class PlanOptions:
         example_input: Any,
         on_step: OnStep = _no_progress,
         time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+        sweep: BatchSweep | None = None,
     ) -> PricedGraph | PricedInplace:
         """Steps 1 and 2 (:func:`price_form`) with these options as :meth:`checked` returned
         them (not checked again), under ``autocast`` if set (only pricing runs the model; the
         solve and the build are dtype-blind). ``time_limit_s``: tracing the in-place step for
-        longer raises a ``PlannerError`` naming the module."""
+        longer raises a ``PlannerError`` naming the module. ``sweep``: ``fit_batch``'s sweep
+        over batch sizes, which this step extends."""
         amp = nullcontext() if self.autocast is None else autocast_for(model, self.autocast)
         with amp:
             return _price_checked(
@@ -174,6 +177,7 @@ class PlanOptions:
                 on_step=on_step,
                 calibration=self.calibration,
                 time_limit_s=time_limit_s,
+                sweep=sweep,
             )
 
     @property
@@ -197,9 +201,11 @@ def price_form(
     on_step: OnStep = _no_progress,
     calibration: Calibration | str | Path | None = None,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    sweep: BatchSweep | None = None,
 ) -> PricedGraph | PricedInplace:
     """Price one training step of ``model`` for plans of ``form`` (see :func:`plan` for
-    ``device``, ``calibration`` and ``fsdp``, the latter in place only)."""
+    ``device``, ``calibration`` and ``fsdp``, the latter in place only; ``sweep``:
+    ``fit_batch``'s sweep over batch sizes, which this step extends)."""
     profile = check_form_options(form, device=device, fsdp=fsdp)
     return _price_checked(
         model,
@@ -211,6 +217,7 @@ def price_form(
         on_step=on_step,
         calibration=calibration,
         time_limit_s=time_limit_s,
+        sweep=sweep,
     )
 
 
@@ -225,6 +232,7 @@ def _price_checked(
     on_step: OnStep,
     calibration: Calibration | str | Path | None,
     time_limit_s: float,
+    sweep: BatchSweep | None = None,
 ) -> PricedGraph | PricedInplace:
     """:func:`price_form` after its checks (:func:`check_form_options`), the device resolved
     to its ``profile``."""
@@ -236,6 +244,7 @@ def _price_checked(
             device=profile,
             on_step=on_step,
             calibration=calibration,
+            sweep=sweep,
         )
     check_trainable(model)
     on_step("estimate")  # one pass over the eager step: nothing is captured first
@@ -247,6 +256,7 @@ def _price_checked(
         fsdp=fsdp,
         calibration=calibration,
         time_limit_s=time_limit_s,
+        sweep=sweep,
     )
     return PricedInplace(model, eager, example_input)
 

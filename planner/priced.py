@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from planner.batch_sweep import BatchSweep
 from planner.calibration import Calibration, CalibrationTimer, model_dtype
 from planner.compiled import COMPILED_MARGIN, solve_compiled
 from planner.devices import DeviceProfile
@@ -55,11 +56,12 @@ def op_timer(
     loss_fn: LossFn | None,
     device: DeviceProfile | None,
     calibration: Calibration | str | Path | None,
+    sweep: BatchSweep | None = None,
 ) -> CalibrationTimer | None:
     """What times a priced step's ops: on the model's own device (no ``device`` profile asked
     for, parameters not on the meta device), its calibration (``planner/calibration.py``, or
-    ``calibration`` when given), whose step measurements run ``runs``; None elsewhere, where
-    the roofline with the profile's rates is all there is."""
+    ``calibration`` when given), whose step measurements run ``runs``, in ``fit_batch`` extending
+    its ``sweep``; None elsewhere, where the roofline with the profile's rates is all there is."""
     on_device = any(p.device.type != "meta" for p in model.parameters())
     if device is not None or not on_device:
         return None
@@ -67,6 +69,7 @@ def op_timer(
         model_dtype(model),
         calibration,
         step=lambda clock: measured_step_time(runs, example_input, loss_fn, clock=clock),
+        sweep=sweep,
     )
 
 

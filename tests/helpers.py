@@ -1,11 +1,15 @@
-"""Shared test helpers: one seeded training step and gradient comparison."""
+"""Shared test helpers: one seeded training step and gradient comparison, and fakes of what
+timing reads (a clock, a calibration)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from planner.passes.device_calibration import Calibration
+from planner.passes.overhead_fits import CheckpointOverhead
 from planner.passes.step import call, training_loss
 
 
@@ -63,3 +67,26 @@ def each_with(time_call: Any) -> Any:
     """A fake ``op_timing.time_each`` (every call timed in one batch) made of a fake
     ``time_call``, for tests that time calls by hand."""
     return lambda calls, device, repeats=5: [time_call(c, device, repeats) for c in calls]
+
+
+def readings_in_pairs(spans: Iterable[float]) -> Callable[[], float]:
+    """A fake counter read in pairs around each run (a clock, a page-fault count): the second
+    reading of each pair is the first plus the next of ``spans``."""
+    left = iter(spans)
+    state = {"value": 0.0, "running": False}
+
+    def read() -> float:
+        if state["running"]:
+            state["value"] += next(left)
+        state["running"] = not state["running"]
+        return state["value"]
+
+    return read
+
+
+def fake_calibration(
+    op_times_s: Mapping[str, float | None], device: str = "cpu:test", **fields: Any
+) -> Calibration:
+    """A calibration of ``device`` with these call times, and no overheads but ``fields``'."""
+    fields = {"call_overhead_s": 0.0, "checkpoint": CheckpointOverhead(), **fields}
+    return Calibration(device, "", "", op_times_s=op_times_s, **fields)

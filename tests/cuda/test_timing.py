@@ -13,13 +13,9 @@ from planner.devices import PROFILES, device_rates, profile_of, profile_of_model
 from planner.measurement import measured_step_time
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import (
-    call_overhead_s,
-    checkpoint_overhead,
-    host_overlaps,
-    op_call,
-    time_calls,
-)
+from planner.passes.op_call import op_call
+from planner.passes.op_timing import time_calls
+from planner.passes.overhead_fits import call_overhead_s, checkpoint_overhead, host_overlaps
 from tests.cuda.common import gpt
 
 pytestmark = [

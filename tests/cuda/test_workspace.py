@@ -1,4 +1,4 @@
-"""Kernel workspaces priced on CUDA (``op_timing.workspace_bytes``, ``costing.with_workspaces``).
+"""Kernel workspaces priced on CUDA (``cuda_timing.workspace_bytes``, ``costing.with_workspaces``).
 
 cuDNN convolutions and some reductions allocate scratch through the caching allocator inside
 their call, which the step's peak (``max_memory_allocated``) counts and a fake-tensor trace
@@ -19,7 +19,9 @@ import torch
 
 import planner
 from benchmarks.models import residual_cnn_example
-from planner.passes.op_timing import op_call, time_calls, workspace_bytes
+from planner.passes.cuda_timing import workspace_bytes
+from planner.passes.op_call import op_call
+from planner.passes.op_timing import time_calls
 
 pytestmark = [
     pytest.mark.cuda,

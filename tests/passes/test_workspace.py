@@ -1,4 +1,4 @@
-"""Kernel workspaces (``op_timing.workspace_bytes``, ``costing.with_workspaces``): scratch a CUDA
+"""Kernel workspaces (``cuda_timing.workspace_bytes``, ``costing.with_workspaces``): scratch a CUDA
 kernel allocates and frees inside its call, which no fake tensor shows. Measured on CUDA only
 (tests/cuda/test_workspace.py); here a timer injects figures into a tiny MLP's pricing, and the
 working sets they raise are checked by hand. On the CPU every figure is 0 and nothing moves."""
@@ -10,17 +10,14 @@ import torch
 
 from planner.devices import profile_of_model
 from planner.passes.capture import capture
+from planner.passes.cuda_timing import workspace_bytes
 from planner.passes.eager import eager_graph
 from planner.passes.estimate import estimate
-from planner.passes.op_timing import (
-    DeviceTiming,
-    TensorSpec,
-    op_call,
-    time_calls,
-    workspace_bytes,
-)
+from planner.passes.op_call import TensorSpec, op_call
+from planner.passes.op_timing import time_calls
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
+from tests.helpers import fake_calibration
 
 pytestmark = pytest.mark.filterwarnings("ignore::planner.LossFallbackWarning")
 
@@ -50,9 +47,7 @@ def _timer(picks: dict):
             if str(c.op) == op and _shapes(c) == shapes
         }
         assert len(workspaces) == len(picks), "each pick names one call of the step"
-        return DeviceTiming(
-            op_times_s={c.key_text: 1e-6 for c in calls}, workspace_bytes=workspaces
-        )
+        return fake_calibration({c.key_text: 1e-6 for c in calls}, workspace_bytes=workspaces)
 
     return timer
 
@@ -130,8 +125,8 @@ def test_on_the_cpu_every_workspace_is_zero_and_nothing_moves():
     def timer(calls, device):
         times = time_calls(calls, device)
         assert times and all(workspace_bytes(c, device) == 0 for c in calls)
-        return DeviceTiming(
-            op_times_s={c.key_text: times.get(c.key) for c in calls},
+        return fake_calibration(
+            {c.key_text: times.get(c.key) for c in calls},
             workspace_bytes={c.key_text: workspace_bytes(c, device) for c in calls},
         )
 

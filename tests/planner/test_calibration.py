@@ -1,7 +1,7 @@
 """A device's calibration (planner/calibration.py): measured once, reused by every later plan in
 the process and from disk, pinned with ``plan(..., calibration=...)``, one for all ranks.
 
-Counts come from ``calibration.MEASUREMENTS`` (calls timed, overhead fits made); every test
+Counts come from ``calibration_counts.MEASUREMENTS`` (calls timed, overhead fits made); every test
 keeps its calibrations under ``tmp_path`` through ``PLANNER_CACHE_DIR``.
 """
 
@@ -18,13 +18,15 @@ import torch.multiprocessing as mp
 
 import planner
 from benchmarks.models import GPT, GPTConfig, gpt_example
-from planner import calibration
-from planner.calibration import MEASUREMENTS, Calibration, CalibrationError
+from planner import batch_sweep, calibration, pricing_cache
+from planner.calibration import Calibration, CalibrationError
+from planner.calibration_counts import MEASUREMENTS
 from planner.devices import profile_of_model
 from planner.fsdp import per_rank
-from planner.passes import op_timing
+from planner.passes import device_calibration, fresh_memory
 from planner.passes.eager import eager_graph
-from planner.passes.op_timing import CheckpointOverhead, TensorSpec, op_call
+from planner.passes.op_call import TensorSpec, op_call
+from planner.passes.overhead_fits import CheckpointOverhead
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 from tests.helpers import each_with
@@ -49,7 +51,7 @@ def cache(tmp_path, monkeypatch):
 
 def _fresh_process() -> None:
     calibration.forget()
-    calibration._PRICED.clear()
+    pricing_cache._PRICED.clear()
 
 
 def _fingerprint(p) -> tuple:
@@ -73,7 +75,7 @@ def test_a_second_plan_measures_nothing_new(cache):
     planner.plan(model, x, BUDGET_GB, form="inplace", objective="flops")
     assert dict(MEASUREMENTS) == counts
     # priced again from scratch (the trace), the process's calibration still has every call
-    calibration._PRICED.clear()
+    pricing_cache._PRICED.clear()
     again = planner.plan(model, x, BUDGET_GB, form="inplace")
     assert dict(MEASUREMENTS) == counts
     assert _fingerprint(again) == _fingerprint(first)
@@ -104,10 +106,10 @@ def test_on_disk_round_trip(cache):
     held = calibration._PROCESS[next(iter(calibration._PROCESS))]
     loaded = Calibration.load(files[0])
     assert loaded == held and len(loaded.op_times_s) == MEASUREMENTS["ops"] - before
-    assert loaded.device == calibration.device_name(torch.device("cpu"))
+    assert loaded.device == device_calibration.device_name(torch.device("cpu"))
     assert loaded.torch_version == torch.__version__ and loaded.dtype == "float32"
     # what a block mapped afresh costs is measured once and kept (0 without a fault count)
-    assert (loaded.fresh_mapping_s_per_byte > 0) == (op_timing.resource is not None)
+    assert (loaded.fresh_mapping_s_per_byte > 0) == (fresh_memory.resource is not None)
     # a new process (nothing held): read from disk, nothing measured, the same plan
     _fresh_process()
     counts = dict(MEASUREMENTS)
@@ -140,7 +142,7 @@ def test_cache_off_writes_nothing(cache, monkeypatch):
     assert not cache.exists() or not any(cache.iterdir())
     # the process still keeps what it measured
     counts = dict(MEASUREMENTS)
-    calibration._PRICED.clear()
+    pricing_cache._PRICED.clear()
     planner.plan(model, x, BUDGET_GB, form="inplace")
     assert dict(MEASUREMENTS) == counts
 
@@ -185,7 +187,7 @@ def test_a_bad_calibration_is_a_clear_error(cache, tmp_path):
             "version 99.*calibrate anew",
         ),
         (
-            json.dumps({"format": "planner-calibration", "version": calibration.VERSION}),
+            json.dumps({"format": "planner-calibration", "version": device_calibration.VERSION}),
             "malformed field",
         ),
     ]
@@ -293,7 +295,7 @@ def test_the_same_plan_three_times_and_in_two_processes_under_load(cache):
     try:
         plans = [first]
         for k in range(2):
-            calibration._PRICED.clear()  # priced again from the trace, the calibration held
+            pricing_cache._PRICED.clear()  # priced again from the trace, the calibration held
             if k == 1:
                 calibration.forget()  # read from disk
             plans.append(
@@ -330,15 +332,15 @@ def test_a_batch_sweep_prices_larger_batches_from_smaller_ones(cache, monkeypatc
         return timed(cal, calls, device, *args)
 
     pairings = []
-    paired = calibration.paired_calls
+    paired = batch_sweep.paired_calls
 
     def pairing(previous, calls):
         pairings.append(len(calls))
         return paired(previous, calls)
 
     monkeypatch.setattr(calibration, "_time_missing", recording)
-    monkeypatch.setattr(calibration, "paired_calls", pairing)
-    monkeypatch.setattr(calibration, "SCALE_MIN_S", 0.0)  # the tiny model's calls all scale
+    monkeypatch.setattr(batch_sweep, "paired_calls", pairing)
+    monkeypatch.setattr(batch_sweep, "SCALE_MIN_S", 0.0)  # the tiny model's calls all scale
     model, _ = _example()
     fit = planner.fit_batch(model, lambda b: _example(b)[1], 1.0, batch_sizes=[2, 4], progress=0)
     assert [r.batch_size for r in fit.rows] == [2, 4]
@@ -350,7 +352,7 @@ def test_a_batch_sweep_prices_larger_batches_from_smaller_ones(cache, monkeypatc
     before = dataclasses.replace(
         held, op_times_s={c.key_text: held.op_times_s[c.key_text] for c in small}
     )
-    scaled = calibration.scaled_times(before, paired(small, large))
+    scaled = batch_sweep.scaled_times(before.op_times_s, paired(small, large))
     mm = [c for c in large if "aten.mm" in str(c.op) and c.key_text in scaled]
     assert mm, "the matmuls on the batch's rows should scale"
     factors: dict[str, dict[str, tuple[float, float]]] = {}  # op -> call -> (scaled, factor)
@@ -389,7 +391,7 @@ def test_a_sweep_times_again_a_call_priced_far_above_its_smaller_counterpart(cac
             return 3 * seconds
         return seconds
 
-    monkeypatch.setattr(calibration, "time_call", fake_time_call)
+    monkeypatch.setattr(batch_sweep, "time_call", fake_time_call)
     monkeypatch.setattr(calibration, "time_each", each_with(fake_time_call))
 
     def make_input(batch: int):
@@ -439,13 +441,13 @@ def test_a_sweep_corrects_scaled_calls_per_op(monkeypatch):
             return 3.0 * work(c)
         return work(c) * (1.6 if c is matmuls[1] else 1.3)
 
-    monkeypatch.setattr(calibration, "time_call", fake_time_call)
+    monkeypatch.setattr(batch_sweep, "time_call", fake_time_call)
     calls = [*matmuls, *adds]
     scaled = {c.key_text: work(c) for c in calls}
     MEASUREMENTS.clear()
-    out = calibration._per_op_corrected(scaled, calls, torch.device("cpu"))
-    assert MEASUREMENTS["ops"] == calibration.CORRECTION_CALLS + 2  # the 3 largest mm, both adds
-    assert runs == [calibration.CORRECTION_REPEATS] * len(runs)
+    out = batch_sweep.per_op_corrected(scaled, calls, torch.device("cpu"))
+    assert MEASUREMENTS["ops"] == batch_sweep.CORRECTION_CALLS + 2  # the 3 largest mm, both adds
+    assert runs == [batch_sweep.CORRECTION_REPEATS] * len(runs)
     for c in calls:  # every matmul at 1.3x, the burst's 1.6x included; the adds at 3x
         factor = 3.0 if c.op == add else 1.3
         assert out[c.key_text] == pytest.approx(factor * work(c), rel=1e-12)

@@ -1,7 +1,7 @@
 """Kernel workspaces in a device's calibration (planner/calibration.py): kept by call as the
 times are, in the process and on disk, the first figure written winning; a calibration file
 from before them (format version 1) is measured anew. No CUDA here: the figures are injected
-where ``op_timing.workspace_bytes`` would give them, and no op is timed for real."""
+where ``cuda_timing.workspace_bytes`` would give them, and no op is timed for real."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from planner import calibration
+from planner import batch_sweep, calibration
 from planner.calibration import Calibration, CalibrationError, CalibrationTimer
 from planner.devices import profile_of_model
 from planner.passes.eager import eager_graph
-from planner.passes.op_timing import CheckpointOverhead
+from planner.passes.overhead_fits import CheckpointOverhead
 from tests.helpers import each_with
 
 pytestmark = pytest.mark.filterwarnings("ignore::planner.LossFallbackWarning")
@@ -40,7 +40,7 @@ def test_workspaces_round_trip_through_json_and_disk(tmp_path):
     held.save(tmp_path / "c.json")
     loaded = Calibration.load(tmp_path / "c.json")
     assert loaded == held and dict(loaded.workspace_bytes) == {"a": 4096}
-    assert dict(loaded.timing().workspace_bytes) == {"a": 4096}
+    assert dict(loaded.for_step().workspace_bytes) == {"a": 4096}
     with pytest.raises(TypeError):
         loaded.workspace_bytes["b"] = 1  # type: ignore[index]  # read-only, as its times
 
@@ -86,22 +86,21 @@ def test_a_sweeps_scaled_calls_have_their_workspace_measured_at_their_own_size(m
         measured.append(call.key_text)
         return 4096
 
-    monkeypatch.setattr(calibration, "time_call", time_call)
+    monkeypatch.setattr(batch_sweep, "time_call", time_call)
     monkeypatch.setattr(calibration, "time_each", each_with(time_call))
     monkeypatch.setattr(calibration, "workspace_bytes", lambda call, device: 0)
     monkeypatch.setattr(calibration, "measure_workspace_bytes", measure_workspace_bytes)
-    monkeypatch.setattr(calibration, "_per_op_corrected", lambda scaled, calls, device: scaled)
+    monkeypatch.setattr(batch_sweep, "per_op_corrected", lambda scaled, calls, device: scaled)
     calibration.forget()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     rates = profile_of_model(model)
-    timer = CalibrationTimer(torch.float32)
-    with calibration.batch_sweep():
-        for batch in (2, 4):
-            timed.clear()
-            eager_graph(model, torch.randn(batch, 8), rates=rates, time_ops=True, timer=timer)
-            if batch == 2:
-                assert timed and not measured  # timed: their scratch seen as they ran
+    timer = CalibrationTimer(torch.float32, sweep=batch_sweep.BatchSweep())
+    for batch in (2, 4):
+        timed.clear()
+        eager_graph(model, torch.randn(batch, 8), rates=rates, time_ops=True, timer=timer)
+        if batch == 2:
+            assert timed and not measured  # timed: their scratch seen as they ran
     assert measured and not set(measured) & set(timed)
     used = timer.used.workspace_bytes
     assert all(used[text] == 4096 for text in measured)
@@ -121,7 +120,7 @@ def test_the_calibration_timer_keeps_and_prices_measured_workspaces(tmp_path, mo
     def time_call(call, device, repeats=5):
         return 1e-6
 
-    monkeypatch.setattr(calibration, "time_call", time_call)
+    monkeypatch.setattr(batch_sweep, "time_call", time_call)
     monkeypatch.setattr(calibration, "time_each", each_with(time_call))
     # what op_timing measures on CUDA, injected: every matmul-like call has 1 MB of scratch
     monkeypatch.setattr(
