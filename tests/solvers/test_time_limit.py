@@ -14,17 +14,18 @@ from planner.solvers.simulate import simulate
 from tests.solvers.test_objective import _chain_with_unrelated_times
 
 
-def test_shares_split_what_is_left_and_only_solves_work_spends_it():
+def test_shares_split_what_is_left_and_only_solves_work_spends_it(monkeypatch):
+    cpu_s, wall_s = [100.0], [100.0]  # this process's CPU time, the wall clock
+    monkeypatch.setattr(time, "process_time", lambda: cpu_s[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: wall_s[0])
     limit = SharedTimeLimit(10.0)
     assert limit.share_s(4) == pytest.approx(2.5)
-    time.sleep(0.05)  # outside a solve: not charged
+    cpu_s[0] += 0.05  # outside a solve: not charged
     assert limit.left_s == 10.0
     with limit.solving():
-        time.sleep(0.05)  # waiting (another job has the core): not charged either
-        start = time.process_time()
-        while time.process_time() - start < 0.05:  # the solve's own work is
-            pass
-    assert 9.9 < limit.left_s < 9.95 + 0.04
+        wall_s[0] += 1000.0  # waiting (another job has the core): not charged either
+        cpu_s[0] += 0.05  # the solve's own work is
+    assert limit.left_s == pytest.approx(9.95)
     assert limit.share_s(1) == pytest.approx(limit.left_s)
     limit.left_s = -1.0  # past the limit, a solve still gets a moment to answer
     assert limit.share_s(3) == MIN_SHARE_S
