@@ -65,12 +65,11 @@ from planner.passes.parent_spans import (
     NodeOps,
     forward_arity,
     in_order,
-    span_name,
     spans_of,
-    split_span,
     trace_parent,
     writes_in_place,
 )
+from planner.passes.regions import ModulePlace, Place, RunPlace, SpanPlace
 from planner.passes.step import (
     LossFn,
     StepTime,
@@ -97,15 +96,18 @@ UNCOUNTED_OPS = frozenset(str(op) for op in SAC_IGNORED_OPS)
 class EagerGraph:
     """A priced eager step and the module calls that may become regions.
 
-    ``spans``: (start, stop) -> module path, for every span in ``graph.region_spans`` (the
-    outermost module when several share one span). ``refused``: module path -> why it is not a
-    candidate. ``module_types``: module path -> class name, of every module of the model.
+    ``places``: (start, stop) -> where in the model the region over that span would run
+    (``passes/regions.py``: a module, a run of a Sequential's children, a span of a module's own
+    forward), for every span in ``graph.region_spans`` (the outermost module when several share
+    one span); ``spans``: the same spans -> their places' names. ``refused``: module path (or
+    run, or traced forward) name -> why it is not a candidate. ``module_types``: module path
+    -> class name, of every module of the model.
     ``module_spans``: module path -> (start, stop), of every module called exactly once per
     step (candidate or not), for passes that place events at module boundaries (FSDP2 units).
     """
 
     graph: CostGraph
-    spans: dict[tuple[int, int], str]
+    places: dict[tuple[int, int], Place]
     refused: dict[str, str]
     module_types: dict[str, str]
     module_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -118,13 +120,18 @@ class EagerGraph:
     # (``traced_forwards_needed``)
     traced_forwards: tuple[str, ...] = ()
 
+    @property
+    def spans(self) -> dict[tuple[int, int], str]:
+        """(start, stop) -> the name of the region over that span (its place's)."""
+        return {span: place.name for span, place in self.places.items()}
+
     def traced_forwards_needed(self, regions: Iterable[tuple[int, int]]) -> tuple[str, ...]:
-        """The modules a plan of ``regions`` ([start, stop) node intervals, each in ``spans``)
+        """The modules a plan of ``regions`` ([start, stop) node intervals, each in ``places``)
         runs as their fx trace does (``passes/parent_spans.py``): those holding a span of their
         own, and those of ``traced_forwards`` whose call lies inside a region (their storages'
         lifetimes are then Python's, priced as the traced forward drops them)."""
         regions = tuple(regions)
-        owners = {span[0] for r in regions if (span := split_span(self.spans[r])) is not None}
+        owners = {p.path for r in regions if isinstance(p := self.places[r], SpanPlace)}
         return tuple(sorted(owners)) + tuple(
             path
             for path in self.traced_forwards
@@ -600,7 +607,7 @@ def _traceable_parents(
             if (node := writes_in_place(gm)) is not None:
                 raise ValueError(f"its node {node} writes a tensor in place")
         except Exception as e:  # noqa: BLE001 - fx's errors are many; a parent offers no spans
-            why[span_name(path, "", "")] = f"no spans of its own forward: {e}"[:300]
+            why[SpanPlace(path, "", "").name] = f"no spans of its own forward: {e}"[:300]
             continue
         parents[path] = _Parent(gm, (start, stop), call)
     return parents, why
@@ -666,13 +673,13 @@ def _parent_node_ops(
                     other.recording = False
                     runs.append((start, key(start), deaths(start)))
             except Exception as e:  # noqa: BLE001 - this parent offers no spans
-                why[span_name(path, "", "")] = f"no spans of its own forward: {e!r:.200}"
+                why[SpanPlace(path, "", "").name] = f"no spans of its own forward: {e!r:.200}"
                 continue
             finally:
                 other.recording = False
             priced = [(r.name, r.op, tuple(r.shapes)) for r in tracker.records[slice(*parent.span)]]
             if not runs[0][1] == runs[1][1] == priced:
-                why[span_name(path, "", "")] = "its traced forward runs other ops than its own"
+                why[SpanPlace(path, "", "").name] = "its traced forward runs other ops than its own"
                 continue
             shift = parent.span[0] - runs[1][0]
             out[path] = {n: (a + shift, b + shift) for n, (a, b) in run.ops.items()}
@@ -737,7 +744,7 @@ def _span_cuts(
             cuts -= 1
         if cuts < 2:
             for path in paths:
-                refused[span_name(path, "", "")] = (
+                refused[SpanPlace(path, "", "").name] = (
                     f"no spans of its own forward: the model's {MAX_PARENT_SPANS} are taken by "
                     f"outer modules"
                 )
@@ -766,12 +773,12 @@ def _with_parent_spans(
     copies of them, ``planner/inplace.py``, Rule 9). A span some module call or run already is
     keeps that one's name."""
     forbidden = forbidden_cuts(eg.graph)
-    spans, state = dict(eg.spans), dict(eg.state_buffers)
+    places, state = dict(eg.places), dict(eg.state_buffers)
     for path, ops, cuts in offered:  # (_span_cuts)
         parent = model.get_submodule(path)
         prefix = f"{path}." if path else ""
         for first, last, (start, stop), children in spans_of(parents[path].gm, ops, cuts):
-            if (start, stop) in spans or start in forbidden or stop in forbidden:
+            if (start, stop) in places or start in forbidden or stop in forbidden:
                 continue
             names = set().union(*(written.get(i, ()) for i in range(start, stop)))
             owned = {
@@ -781,14 +788,13 @@ def _with_parent_spans(
             }
             if not names <= owned:  # state of other modules (or none's: None)
                 continue
-            name = span_name(path, first, last)
-            spans[(start, stop)] = name
+            place = places[(start, stop)] = SpanPlace(path, first, last)
             if names:
-                state[name] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
+                state[place.name] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
     return replace(
         eg,
-        graph=replace(eg.graph, region_spans=frozenset(spans)),
-        spans=spans,
+        graph=replace(eg.graph, region_spans=frozenset(places)),
+        places=places,
         refused={**eg.refused, **refused},
         state_buffers=state,
     )
@@ -819,7 +825,7 @@ def _candidates(
     aliased: set[str],
 ) -> EagerGraph:
     forbidden = forbidden_cuts(graph)
-    spans: dict[tuple[int, int], str] = {}
+    places: dict[tuple[int, int], Place] = {}
     refused: dict[str, str] = {}
     state: dict[str, tuple[str, ...]] = {}
     for path, _ in model.named_modules():  # parents first: a shared span keeps the outermost
@@ -847,24 +853,24 @@ def _candidates(
         elif start in forbidden or stop in forbidden:
             refused[path] = "an in-place write crosses its boundary"
         else:
-            spans.setdefault((start, stop), path)
+            places.setdefault((start, stop), ModulePlace(path))
             if names:  # BatchNorm statistics: updated once, recomputed on copies (Rule 9)
                 state[path] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
-    for path, name, (start, stop), names in _sequential_runs(model, calls, written):
-        prefix = f"{path}." if path else ""
+    for run, (start, stop), names in _sequential_runs(model, calls, written):
+        prefix = f"{run.path}." if run.path else ""
         if start in forbidden or stop in forbidden:
-            refused[name] = "an in-place write crosses its boundary"
+            refused[run.name] = "an in-place write crosses its boundary"
         elif None in names or not all(n.startswith(prefix) for n in names):  # type: ignore[union-attr]
-            refused[name] = "writes state in forward that is not its children's own buffers"
-        elif (start, stop) not in spans:  # a run a module already spans is that module
-            spans[(start, stop)] = name
+            refused[run.name] = "writes state in forward that is not its children's own buffers"
+        elif (start, stop) not in places:  # a run a module already spans is that module
+            places[(start, stop)] = run
             if names:
-                state[name] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
+                state[run.name] = tuple(sorted(n[len(prefix) :] for n in names))  # type: ignore[index]
     types = {path: type(m).__name__ for path, m in model.named_modules()}
     once = {path: made[0][:2] for path, made in calls.items() if len(made) == 1}
     return EagerGraph(
-        graph=replace(graph, region_spans=frozenset(spans)),
-        spans=spans,
+        graph=replace(graph, region_spans=frozenset(places)),
+        places=places,
         refused=refused,
         module_types=types,
         module_spans=once,
@@ -884,8 +890,8 @@ def _sequential_runs(
     model: torch.nn.Module,
     calls: dict[str, list[tuple[int, int, bool]]],
     written: dict[int, set[str | None]],
-) -> Iterator[tuple[str, str, tuple[int, int], set[str | None]]]:
-    """(Sequential path, run name ``path[a:b]``, node span, state names written) of every run
+) -> Iterator[tuple[RunPlace, tuple[int, int], set[str | None]]]:
+    """(the run's place, ``path[a:b]``, its node span, state names written) of every run
     of two or more consecutive children of an ``nn.Sequential`` that is not all of them: a
     region ``planner/inplace.py`` applies as one checkpointed call of those children
     (``inplace.RunForward``). Only a Sequential whose forward is nn.Sequential's own (so the
@@ -922,4 +928,4 @@ def _sequential_runs(
                 # a run writes only the buffers of its own children
                 own = tuple(f"{prefix}{k}." for k in range(a, b))
                 names = {n_ if n_ is None or n_.startswith(own) else None for n_ in names}
-                yield path, f"{path}[{a}:{b}]", (start, stop), names
+                yield RunPlace(path, a, b), (start, stop), names

@@ -1,9 +1,10 @@
 """Rewrite pass: checkpoint regions of a GraphModule become named submodules.
 
-In: a captured ``torch.fx.GraphModule`` (``passes/capture.py``) and a laminar family of
-:class:`NamedRegion` s, each a contiguous run of its call nodes named by fx node name. Out: a new
-GraphModule whose code calls every outermost region as ``self.<region.name>(...)``; nested regions
-are called the same way inside their parent's body. The input module is left untouched.
+In: a captured ``torch.fx.GraphModule`` (``passes/capture.py``) and a laminar family of regions
+(``passes/regions.py`` ``Region``), each a contiguous run of its call nodes named by fx node
+name. Out: a new GraphModule whose code calls every outermost region as
+``self.<region.name>(...)``; nested regions are called the same way inside their parent's body.
+The input module is left untouched.
 
 Each region runs its nodes (the *body*, a small GraphModule) through
 ``torch.utils.checkpoint.checkpoint(body, *inputs, use_reentrant=False)`` ('recompute'), with an
@@ -17,7 +18,7 @@ Why it trains exactly like the original:
   nodes and passes them into the region as arguments, so the new module shares the model's
   Parameter objects and its ``state_dict()`` keys are unchanged.
 - RNG: ``preserve_rng_state`` replays dropout's draws on recompute, for the regions that draw
-  random numbers (``NamedRegion.preserve_rng_state``; the others neither stash nor restore the
+  random numbers (``Region.preserve_rng_state``; the others neither stash nor restore the
   RNG state, which nothing in them reads); autocast state is replayed by checkpoint itself.
 - State written in forward (BatchNorm running statistics, ``num_batches_tracked``, any buffer an
   in-place op writes): the forward pass updates the real buffers once; every recompute runs on
@@ -54,35 +55,11 @@ from torch.utils.checkpoint import (
 
 from planner.passes.nodes import module_path, written_arguments
 from planner.passes.offload import offloaded_call
+from planner.passes.regions import Region
 from planner.solvers.errors import UnsupportedModelError
 
 CALL_OPS = ("call_function", "call_method", "call_module")
 KINDS = ("recompute", "selective", "offload")
-
-
-@dataclass(frozen=True)
-class NamedRegion:
-    """A checkpoint region as users see it: the fx node names it covers, in graph order.
-
-    Public as ``planner.Region`` (``plan.regions``). The solvers' ``solvers.costgraph.Region``
-    is the same region as an index interval [start, stop) of CostGraph nodes;
-    ``planning.named_regions`` names those intervals, ``planning.apply_plan`` maps these back.
-
-    ``depth`` 0 is outermost; a region of depth d+1 lies inside one of depth d. ``kind`` is
-    'recompute', 'selective' (keep the outputs of ``saved_nodes``, recompute the rest) or
-    'offload' (keep what backward needs in host memory). ``preserve_rng_state``: its
-    checkpoint stashes the RNG state and replays it on recomputation, as a region over an op
-    that draws random numbers (dropout) must; planning sets it from the priced step
-    (``CostGraph.preserves_rng_state``, simulate's Rule 12), so a region without one neither
-    stashes nor is priced for it. True when not known (the safe side).
-    """
-
-    name: str
-    nodes: tuple[str, ...]
-    depth: int = 0
-    kind: str = "recompute"
-    saved_nodes: tuple[str, ...] = ()
-    preserve_rng_state: bool = True
 
 
 # --------------------------------------------------------------------------- names
@@ -205,7 +182,7 @@ class CheckpointRegion(nn.Module):
 
     ``state_inputs``: argument positions holding buffers the step writes (BatchNorm running
     statistics...); ``state_buffers``: such buffers of leaf modules called inside ``body``.
-    ``preserve_rng_state``: checkpoint's own (``NamedRegion.preserve_rng_state``).
+    ``preserve_rng_state``: checkpoint's own (``Region.preserve_rng_state``).
     """
 
     def __init__(
@@ -386,14 +363,14 @@ def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
 @dataclass
 class _Span:
-    region: NamedRegion
+    region: Region
     start: int
     stop: int
     members: set[fx.Node]
     children: list[_Span]
 
 
-def node_interval(region: NamedRegion, index: Mapping[str, int]) -> tuple[int, int]:
+def node_interval(region: Region, index: Mapping[str, int]) -> tuple[int, int]:
     """[start, stop) of ``region``'s nodes by ``index`` (node name -> position in graph order).
 
     Raises ``ValueError`` when it names a node ``index`` lacks or its nodes are not a contiguous
@@ -410,7 +387,7 @@ def node_interval(region: NamedRegion, index: Mapping[str, int]) -> tuple[int, i
     return idx[0], idx[-1] + 1
 
 
-def _spans(gm: fx.GraphModule, regions: Sequence[NamedRegion], order: list[fx.Node]) -> list[_Span]:
+def _spans(gm: fx.GraphModule, regions: Sequence[Region], order: list[fx.Node]) -> list[_Span]:
     """Validate regions and arrange them as a forest (outermost first, in graph order)."""
     index = {n.name: i for i, n in enumerate(order)}
     spans: list[_Span] = []
@@ -469,7 +446,7 @@ def _shell(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def rewrite(gm: fx.GraphModule, regions: Sequence[NamedRegion]) -> fx.GraphModule:
+def rewrite(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.GraphModule:
     """Return a copy of ``gm`` in which each region runs as a checkpointed submodule.
 
     Deterministic: the same ``gm`` and regions give the same code. Raises ``ValueError`` for

@@ -73,20 +73,10 @@ from planner import hf_checkpointing
 from planner.guard import remove_guard
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.offload import offloaded_call
-from planner.passes.parent_spans import (
-    call_nodes,
-    forward_arity,
-    node_labels,
-    split_span,
-    trace_parent,
-)
-from planner.passes.rewrite import (
-    CheckpointRegion,
-    NamedRegion,
-    _outside_selective_checkpointing,
-    rewrite,
-)
-from planner.plans import Plan, Region, split_run
+from planner.passes.parent_spans import call_nodes, forward_arity, node_labels, trace_parent
+from planner.passes.regions import ModulePlace, RunPlace, SpanPlace, parse_place
+from planner.passes.rewrite import CheckpointRegion, _outside_selective_checkpointing, rewrite
+from planner.plans import Plan, Region
 from planner.solvers.errors import PlanFileError
 
 
@@ -98,9 +88,12 @@ def ModuleRegion(  # noqa: N802 - its name when it was a class of its own
     ops: tuple[str, ...] = (),
     state_buffers: tuple[str, ...] = (),
 ) -> Region:
-    """The region of an in-place plan for module ``path``, with what applying needs and no
-    graph nodes: ``planner.Region`` (planner/plans.py), named by its path."""
-    return Region(path, (), depth, kind, keeps=keeps, ops=ops, state_buffers=state_buffers)
+    """The region of an in-place plan at the place ``path`` names (a module's path, a run's
+    ``blocks[0:2]``, a span's ``blocks.0(fc..proj)``), with what applying needs and no graph
+    nodes: ``planner.Region`` (passes/regions.py)."""
+    return Region.at(
+        parse_place(path), depth=depth, kind=kind, keeps=keeps, ops=ops, state_buffers=state_buffers
+    )
 
 
 def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
@@ -511,7 +504,7 @@ class _ParentSpans(ForwardWrapper):
             while stack and stack[-1] < b:  # depth among this parent's spans
                 stack.pop()
             name = f"ckpt_span_{k}"
-            named.append(NamedRegion(name, tuple(order[a:b]), len(stack), r.kind))
+            named.append(Region(name, tuple(order[a:b]), len(stack), r.kind))
             by_name[name] = r
             stack.append(b)
         gm = self.built[module] = rewrite(gm, named)
@@ -539,8 +532,9 @@ class _ParentSpans(ForwardWrapper):
 
 def _node_span(region: Region, labels: list[str]) -> tuple[int, int]:
     """[a, b) of a span region's fx call nodes, labelled ``labels`` in order."""
-    _, first, last = split_span(region.name)  # type: ignore[misc]
-    return labels.index(first), labels.index(last) + 1
+    span = region.place
+    assert isinstance(span, SpanPlace)
+    return labels.index(span.first), labels.index(span.last) + 1
 
 
 def _outer_first(region: Region, labels: list[str]) -> tuple[int, int]:
@@ -565,27 +559,25 @@ def wrap_regions(
     # spans first, then runs: a region over the whole module wraps the forward that runs them
     parents: dict[str, list[Region]] = {path: [] for path in traced_forwards}
     for region in regions:
-        if (span := split_span(region.name)) is not None:
-            parents.setdefault(span[0], []).append(region)
+        if isinstance(span := region.place, SpanPlace):
+            parents.setdefault(span.path, []).append(region)
     for path, spans in parents.items():
         module = model.get_submodule(path)
         _ParentSpans(module, path, spans).install(module)
     sequentials: dict[str, _SequentialRuns] = {}
     for region in regions:
-        if split_span(region.name) is not None:
-            continue
-        path, children = split_run(region.path)
-        if children is not None:
-            runs = sequentials.get(path)
+        if isinstance(run := region.place, RunPlace):
+            runs = sequentials.get(run.path)
             if runs is None:
-                runs = sequentials[path] = _SequentialRuns()
-                runs.install(model.get_submodule(path))
-            runs.calls[(children.start, children.stop)] = _RunForward(region, runs, children)
+                runs = sequentials[run.path] = _SequentialRuns()
+                runs.install(model.get_submodule(run.path))
+            children = slice(run.start, run.stop)
+            runs.calls[(run.start, run.stop)] = _RunForward(region, runs, children)
     for path, runs in sequentials.items():
         runs.plan_steps(len(model.get_submodule(path)))
     for region in regions:
-        if split_span(region.name) is None and split_run(region.path)[1] is None:
-            _RegionForward(region).install(model.get_submodule(region.path))
+        if isinstance(place := region.place, ModulePlace):
+            _RegionForward(region).install(model.get_submodule(place.path))
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
@@ -627,8 +619,13 @@ def check_fits(
         )
     types = dict(tree)
     for r in regions:
-        span = split_span(r.name)
-        path, children = split_run(r.path) if span is None else (span[0], None)
+        place = r.place
+        if place is None:
+            raise ValueError(
+                f"in-place region {r.name!r} has no place: make it with Region.at(place) "
+                f"or ModuleRegion(name)"
+            )
+        path = place.path
         try:
             module = model.get_submodule(path)
         except AttributeError:
@@ -640,16 +637,16 @@ def check_fits(
                 f"{source} checkpoints {path!r} as a {types.get(path)}, in this model it is "
                 f"a {type(module).__name__}. {fix}"
             )
-        if children is not None and not (
-            isinstance(module, torch.nn.Sequential) and children.stop <= len(module)
+        if isinstance(place, RunPlace) and not (
+            isinstance(module, torch.nn.Sequential) and place.stop <= len(module)
         ):
             raise PlanFileError(
-                f"{source} checkpoints children {children.start} to {children.stop - 1} of "
+                f"{source} checkpoints children {place.start} to {place.stop - 1} of "
                 f"{path!r} as one call, which needs an nn.Sequential of at least "
-                f"{children.stop} children. {fix}"
+                f"{place.stop} children. {fix}"
             )
-        if span is not None:
-            _check_span(module, span, source, fix)
+        if isinstance(place, SpanPlace):
+            _check_span(module, place, source, fix)
     for path in traced_forwards:
         try:
             module = model.get_submodule(path)
@@ -658,7 +655,7 @@ def check_fits(
                 f"{source} runs the traced forward of module {path!r}, which this model does "
                 f"not have. {fix}"
             ) from None
-        _check_span(module, (path, "", ""), source, fix)
+        _check_span(module, SpanPlace(path, "", ""), source, fix)
     ours = module_tree(model)
     for (path, kind), (their_path, their_kind) in zip(tree, ours):
         if (path, kind) != (their_path, their_kind):
@@ -674,10 +671,10 @@ def check_fits(
         _check_shapes(model, shapes, source, fix)
 
 
-def _check_span(module: torch.nn.Module, span: tuple[str, str, str], source: str, fix: str) -> None:
+def _check_span(module: torch.nn.Module, span: SpanPlace, source: str, fix: str) -> None:
     """PlanFileError unless ``module``'s forward traces (``passes/parent_spans.py``) to a graph
     in which the span's first node is no later than its last."""
-    path, first, last = span
+    path, first, last = span.path, span.first, span.last
     try:
         order = node_labels(trace_parent(module))
     except Exception as e:  # noqa: BLE001 - whatever fx raises

@@ -24,8 +24,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.passes.parent_spans import span_name, split_span
-from planner.plans import Plan, region_module, split_run
+from planner.passes.regions import ModulePlace, Place, RunPlace, SpanPlace
+from planner.plans import Plan
 from planner.solvers.costgraph import CostGraph, Region, Tensor
 from planner.solvers.simulate import offload_time_s
 
@@ -162,35 +162,37 @@ def module_paths(graph: CostGraph, span: Region) -> list[str]:
 
 
 def model_parts(
-    graph: CostGraph, span: Region, limit: int = 3, prefix: str = "", root: str | None = None
+    graph: CostGraph, span: Region, limit: int = 3, prefix: str = "", root: Place | None = None
 ) -> str:
     """``limit`` of :func:`module_paths` with ``prefix`` taken off each, e.g. ``blocks.0,
     blocks.1, +2 more``. ``root``: the module the region is (in place), which stands for every
     path inside it."""
     paths = module_paths(graph, span)
     if root is not None:
-        path, children = split_run(root)
         # a run (blocks[0:2]) stands for its children's paths as a module for its own
-        kids = () if children is None else range(children.start, children.stop)
-        heads = (root,) if children is None else tuple(f"{path}.{k}".lstrip(".") for k in kids)
+        heads = (
+            tuple(f"{root.path}.{k}".lstrip(".") for k in range(root.start, root.stop))
+            if isinstance(root, RunPlace)
+            else (root.name,)
+        )
         inside = [p for p in paths if p in heads or p.startswith(tuple(f"{h}." for h in heads))]
-        paths = [root] * bool(inside) + [p for p in paths if p not in inside]
+        paths = [root.name] * bool(inside) + [p for p in paths if p not in inside]
     parts = [p.removeprefix(prefix) for p in paths]
     shown = ", ".join(parts[:limit])
     return shown + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
 
 
-def shown_name(name: str, prefix: str) -> str:
+def shown_name(place: Place, prefix: str) -> str:
     """An in-place region's name without ``prefix``: a module's path, a run's
     (``blocks[0:2]``), a span's parent and, for a span of the root's forward, its ends
     (``(encoder.layers.0.attn..encoder.layers.0.mlp)``, whose ends are paths from the root)."""
-    span = split_span(name)
-    if span is None:
-        return name.removeprefix(prefix)
-    path, first, last = span
-    if path:
-        return span_name(path.removeprefix(prefix), first, last)
-    return span_name("", first.removeprefix(prefix), last.removeprefix(prefix))
+    match place:
+        case SpanPlace(path="", first=first, last=last):
+            return SpanPlace("", first.removeprefix(prefix), last.removeprefix(prefix)).name
+        case SpanPlace(path=path):
+            return replace(place, path=path.removeprefix(prefix)).name
+        case ModulePlace() | RunPlace():
+            return place.name.removeprefix(prefix)
 
 
 def common_path_prefix(paths: Sequence[str]) -> str:
@@ -297,7 +299,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     # (long paths in narrow columns were cut to "model.laye…").
     in_place = plan.form == "inplace"
     paths = [p for span in spans for p in module_paths(graph, span)]
-    names = [r.name if split_span(r.name) is None else region_module(r.name) for r in plan.regions]
+    names = [r.place.path if isinstance(r.place, SpanPlace) else r.name for r in plan.regions]
     prefix = common_path_prefix(paths + names if in_place else paths)
     if prefix:
         lines.append(f"module paths below leave out the prefix they share, {prefix!r}")
@@ -309,9 +311,9 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     body = []
     for region, span, cost in zip(plan.regions, spans, costs):
         cells = [
-            "  " * region.depth + (shown_name(region.name, prefix) if in_place else region.name),
+            "  " * region.depth + (shown_name(region.place, prefix) if in_place else region.name),
             region.kind,
-            model_parts(graph, span, prefix=prefix, root=region.name if in_place else None),
+            model_parts(graph, span, prefix=prefix, root=region.place if in_place else None),
             format_bytes(cost.freed_bytes),
             format_flops(cost.recompute_flops, unit),
             format_ms(cost.recompute_time_s),
