@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from planner.passes.rewrite import CALL_OPS, _written
+from planner.passes.nodes import CALL_OPS, written_nodes
 
 # A parent's spans start and end at most this many places, every k-th node that runs ops (as
 # eager.MAX_RUN_CUTS for runs): dp's time grows fast with spans. unet_example()'s root, 19 such
@@ -84,7 +84,7 @@ def call_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 def writes_in_place(gm: fx.GraphModule) -> str | None:
     """The first call node of ``gm`` that writes a tensor in place, or None."""
     modules = dict(gm.named_modules())
-    return next((n.name for n in call_nodes(gm) if _written(n, modules)), None)
+    return next((n.name for n in call_nodes(gm) if written_nodes(n, modules)), None)
 
 
 class NodeOps(fx.Interpreter):

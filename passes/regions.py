@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,9 @@ class Region:
             raise ValueError(f"region {self.name!r} is named otherwise than its place {self.place}")
 
     @classmethod
-    def at(cls, place: Place, nodes: tuple[str, ...] = (), **fields: object) -> Region:
+    def at(cls, place: Place, nodes: tuple[str, ...] = (), **fields: Any) -> Region:
         """The in-place region at ``place``, named by it; ``fields`` as the constructor's."""
-        return cls(place.name, nodes, place=place, **fields)  # type: ignore[arg-type]
+        return cls(place.name, nodes, place=place, **fields)
 
     @property
     def path(self) -> str:

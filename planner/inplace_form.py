@@ -28,7 +28,8 @@ from planner.calibration import (
 from planner.devices import DeviceProfile, profile_of_model
 from planner.fsdp import FSDPConfig, per_rank
 from planner.guard import PlannedShape, install_guard, planned_shape
-from planner.inplace import apply_regions, check_fits, module_tree, parameter_shapes
+from planner.inplace import apply_regions
+from planner.inplace_check import check_fits, module_tree, parameter_shapes
 from planner.passes.eager import EagerGraph, eager_graph
 from planner.passes.step import LossFn
 from planner.plan_file import malformed, read_plan_body, read_predictions, read_regions

@@ -222,14 +222,35 @@ def _numeric_after(common: list[str], split: list[list[str]]) -> bool:
 
 
 def plan_summary(plan: Plan, verbose: bool = False) -> str:
-    """The text of ``plan.summary(verbose)``."""
+    """The text of ``plan.summary(verbose)``: the totals, notes on how the step was priced,
+    then one row per region (:func:`region_table`)."""
+    costs = region_costs(plan)
+    unit = 1e9 if plan.simulation.recompute_flops >= 1e9 else 1e6  # tiny models stay legible
+    lines = _totals(plan, unit) + _pricing_notes(plan) + _region_notes(plan, costs, verbose)
+    # An in-place plan's regions are module paths too: one prefix, said once, for both columns
+    # (long paths in narrow columns were cut to "model.laye…").
+    spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
+    paths = [p for span in spans for p in module_paths(plan.graph, span)]
+    if plan.form == "inplace":
+        paths += [r.place.path if isinstance(r.place, SpanPlace) else r.name for r in plan.regions]
+    prefix = common_path_prefix(paths)
+    if prefix:
+        lines.append(f"module paths below leave out the prefix they share, {prefix!r}")
+    table = region_table(plan, costs, unit, prefix, verbose)
+    # As wide as the table needs to keep every path on one line, within reason.
+    width = min(max(140 if verbose else 120, natural_width(table)), 200)
+    text = "\n".join(lines) + "\n" + plain_text(table, width=width)
+    if not verbose:
+        text += "solver details: plan.summary(verbose=True)\n"
+    return text
+
+
+def _totals(plan: Plan, unit: float) -> list[str]:
+    """The budget, the predicted peak, recomputation and step time, in words."""
     graph, sim = plan.graph, plan.simulation
     step_flops = max(graph.step_flops, 1)
     saving = 1 - plan.predicted_peak_bytes / max(plan.baseline_peak_bytes, 1)
-    costs = region_costs(plan)
-    freed_bytes = sum(c.freed_bytes for c in costs)
-    unit = 1e9 if sim.recompute_flops >= 1e9 else 1e6  # tiny models stay legible
-    lines = [
+    return [
         f"planner: solver {plan.solver!r}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_bytes / 1e9:.3f} GB)",
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
@@ -247,6 +268,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         )
         + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
+
+
+def _pricing_notes(plan: Plan) -> list[str]:
+    """What the plan was solved and priced under: compile's margin, other predictions, the
+    dtypes, the attention kernel, what pricing could not know."""
+    graph, lines = plan.graph, []
     if plan.compiled_margin:  # plan(..., compiled=True): planner/compiled.py
         lines.append(
             f"for torch.compile: no nested regions (compile flattens them), planned within "
@@ -270,11 +297,18 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             f"Python's lifetimes are {lifetimes}: a storage a region's caller holds past the "
             f"region may measure above the prediction"
         )
+    return lines
+
+
+def _region_notes(plan: Plan, costs: list[RegionCost], verbose: bool) -> list[str]:
+    """What the regions free in all, each offload's transfer against its recomputation, and
+    (``verbose``) what the solver said."""
+    lines = []
     if plan.regions:
         lines.append(
-            f"{len(plan.regions)} regions keep {format_bytes(freed_bytes)} less for backward "
-            f"(recomputed or offloaded instead); the predicted peak counts what recomputation "
-            f"needs itself"
+            f"{len(plan.regions)} regions keep {format_bytes(sum(c.freed_bytes for c in costs))} "
+            f"less for backward (recomputed or offloaded instead); the predicted peak counts "
+            f"what recomputation needs itself"
         )
     for cost in costs:
         if cost.kind == "offload":
@@ -292,18 +326,19 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         lines.append(
             f"solver: {plan.schedule.note or 'no note'}; optimality gap "
             f"{'unknown' if gap is None else f'{gap:.1%}'}; solved in {plan.solve_time_s:.2f} s "
-            f"on {len(graph.nodes)} graph nodes"
+            f"on {len(plan.graph.nodes)} graph nodes"
         )
+    return lines
+
+
+def region_table(
+    plan: Plan, costs: list[RegionCost], unit: float, prefix: str, verbose: bool
+) -> Table:
+    """One row per region (its name, kind, what it covers, frees and costs to recompute) and
+    the totals; module paths without ``prefix``."""
+    graph, sim = plan.graph, plan.simulation
     spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
-    # An in-place plan's regions are module paths too: one prefix, said once, for both columns
-    # (long paths in narrow columns were cut to "model.laye…").
     in_place = plan.form == "inplace"
-    paths = [p for span in spans for p in module_paths(graph, span)]
-    names = [r.place.path if isinstance(r.place, SpanPlace) else r.name for r in plan.regions]
-    prefix = common_path_prefix(paths + names if in_place else paths)
-    if prefix:
-        lines.append(f"module paths below leave out the prefix they share, {prefix!r}")
-    table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
     columns = ["region", "kind", "covers", "frees", "recompute", "recompute time"]
     offloads = any(c.kind == "offload" for c in costs)
     if offloads:
@@ -322,7 +357,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             cells += [format_bytes(cost.offload_bytes), format_ms(cost.transfer_time_s)]
         body.append(cells)
     if plan.regions:
-        total = ["total", "", "", format_bytes(freed_bytes)]
+        total = ["total", "", "", format_bytes(sum(c.freed_bytes for c in costs))]
         total += [format_flops(sim.recompute_flops, unit), format_ms(sim.recompute_time_s)]
         if offloads:
             total += [format_bytes(sim.offload_bytes), format_ms(sim.offload_time_s)]
@@ -342,6 +377,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             ]
         if plan.regions:
             body[-1][at:at] = ["", "", ""]
+    return _table(f"{len(plan.regions)} checkpoint regions", columns, body, len(plan.regions))
+
+
+def _table(title: str, columns: list[str], body: list[list[str]], section_at: int) -> Table:
+    """A rich table of ``body`` under ``columns``; the totals from row ``section_at`` on."""
+    table = Table(title=title, title_justify="left")
     for column in columns:
         numeric = column not in ("region", "kind", "covers")
         # the names are what a user looks up (p.module.<name>): never cut them; paths wrap
@@ -353,15 +394,10 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             overflow="fold",
         )
     for i, cells in enumerate(body):
-        if i == len(plan.regions):
+        if i == section_at:
             table.add_section()
         table.add_row(*cells)
-    # As wide as the table needs to keep every path on one line, within reason.
-    width = min(max(140 if verbose else 120, natural_width(table)), 200)
-    text = "\n".join(lines) + "\n" + plain_text(table, width=width)
-    if not verbose:
-        text += "solver details: plan.summary(verbose=True)\n"
-    return text
+    return table
 
 
 def natural_width(renderable: object) -> int:

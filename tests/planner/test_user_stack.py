@@ -472,7 +472,8 @@ def test_a_long_sequential_offers_runs_between_every_kth_child():
 
 
 def test_a_plan_file_run_on_a_shorter_sequential_names_it(tmp_path):
-    from planner.inplace import ModuleRegion, check_fits, module_tree
+    from planner.inplace import ModuleRegion
+    from planner.inplace_check import check_fits, module_tree
 
     model, _ = _residual_cnn()
     short, _ = _residual_cnn()
