@@ -452,6 +452,7 @@ def eager_graph(
     graph = cost_graph(tracker, example_input, rates, fs.device, "fake tensors, eager")
     meta = {**graph.meta, "precision": precision_text(model), "python_lifetimes": lifetimes}
     meta.update(_target_notes(tracker, rates, kwargs))
+    meta.update(_untied_note(model))
     graph = replace(graph, meta=meta)
     if time_ops:
         graph = with_measured_times(graph, tracker, fs.device, rates, step_time, timer)
@@ -479,6 +480,26 @@ def _target_notes(tracker: _OpTracker, rates: DeviceProfile, kwargs: dict) -> di
             "to measure them (the allocator's 512-byte blocks are priced)"
         )
     return notes
+
+
+def _untied_note(model: torch.nn.Module) -> dict[str, str]:
+    """A Hugging Face model whose config ties its output embedding to its input embedding but
+    whose two weights are separate tensors: ``Module.to("meta")`` does that (each module gets
+    its own copy of a shared parameter), and the plan then prices a second weight gradient."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    try:
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):
+        return {}
+    if tied:
+        return {}
+    return {
+        "untied": "the config ties the output embedding to the input embedding, but the model "
+        "holds two weights (Module.to('meta') unties them): priced with two; build the model "
+        "under `with torch.device('meta')` or call model.tie_weights() first"
+    }
 
 
 def _python_lifetimes(

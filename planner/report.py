@@ -440,5 +440,5 @@ def _attention_lines(meta: dict[str, str]) -> list[str]:
         lines.append(f"attention priced {meta['attention']}")
     elif meta.get("sdpa_backend"):
         lines.append(f"attention kernel priced: {meta['sdpa_backend']}")
-    lines.extend(meta[key] for key in ("unknown_values", "unpriced") if meta.get(key))
+    lines.extend(meta[key] for key in ("unknown_values", "untied", "unpriced") if meta.get(key))
     return lines

@@ -23,12 +23,6 @@ from tests.models_zoo import gpt2_example, llama_example, vit_example
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-def on_meta(value):
-    if isinstance(value, torch.Tensor):
-        return value.to("meta")
-    return {k: on_meta(v) for k, v in value.items()}
-
-
 def memory_of(graph):
     """Every byte of memory a graph prices, node by node: without the times and the traffic
     the roofline times them by (meta's embedding backward runs other ops than the CPU's)."""
@@ -39,22 +33,32 @@ def memory_of(graph):
     return timeless, graph.tensors, graph.grad_buffers
 
 
-TIED_GRADIENT = pytest.mark.xfail(
-    strict=True,
-    reason="GPT-2's tied embedding: meta's embedding backward leaves the shared weight's "
-    "gradient buffer to lm_head's backward, the CPU's to the embedding's (same total bytes)",
-)
-
-
-@pytest.mark.parametrize(
-    "example", [llama_example, pytest.param(gpt2_example, marks=TIED_GRADIENT), vit_example]
-)
+@pytest.mark.parametrize("example", [llama_example, gpt2_example, vit_example])
 def test_a_model_on_meta_priced_for_the_cpu_prices_what_the_cpu_runs(example):
     model, batch = example()
     cpu = price_inplace(model, batch, device=device_profile("cpu"))
-    meta = price_inplace(model.to("meta"), on_meta(batch), device=device_profile("cpu"))
+    # Built on meta as a user does, not moved there: ``Module.to("meta")`` gives each module
+    # its own copy of a shared parameter, which unties GPT-2's embedding from its lm_head.
+    with torch.device("meta"):
+        meta_model, meta_batch = example()
+    assert meta_model.training == model.training
+    meta = price_inplace(meta_model, meta_batch, device=device_profile("cpu"))
     assert memory_of(meta.graph) == memory_of(cpu.graph)
+    assert "untied" not in meta.graph.meta
     assert meta.graph.meta.get("sdpa_backend") == cpu.graph.meta.get("sdpa_backend")
+
+
+def test_a_tied_embedding_untied_by_moving_the_model_to_meta_is_named():
+    model, batch = gpt2_example()
+    model.to("meta")
+    assert model.lm_head.weight is not model.transformer.wte.weight  # torch's own behaviour
+    batch = {k: v.to("meta") for k, v in batch.items()}
+    graph = price_inplace(model, batch, device=device_profile("cpu")).graph
+    assert "tie_weights()" in graph.meta["untied"]
+    # what the note warns of: a gradient for each of the two weights
+    assert sum(n.param_grad_bytes for n in graph.nodes) == sum(
+        p.numel() * p.element_size() for p in model.parameters()
+    )
 
 
 def call(**changes) -> AttentionCall:
