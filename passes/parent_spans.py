@@ -26,7 +26,7 @@ from torch import fx
 from planner.passes.nodes import CALL_OPS, written_nodes
 
 # A parent's spans start and end at most this many places, every k-th node that runs ops (as
-# eager.MAX_RUN_CUTS for runs): dp's time grows fast with spans. unet_example()'s root, 19 such
+# candidates.MAX_RUN_CUTS for runs): dp's time grows fast with spans. unet_example()'s root, 19 such
 # nodes: every node, 188 candidates, dp's least 19 s; every other (16), 90, 8.7 s, the same least;
 # 8, 67, 3.0 s, 4.4% higher.
 MAX_SPAN_CUTS = 16

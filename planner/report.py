@@ -292,7 +292,7 @@ def _pricing_notes(plan: Plan) -> list[str]:
         lines.append(f"priced in {graph.meta['precision']}")
     lines.extend(_attention_lines(graph.meta))
     lifetimes = graph.meta.get("python_lifetimes", "")
-    if lifetimes.startswith("unknown"):  # passes/eager.py _python_lifetimes: not on the safe side
+    if lifetimes.startswith("unknown"):  # passes/python_lifetimes.py: not on the safe side
         lines.append(
             f"Python's lifetimes are {lifetimes}: a storage a region's caller holds past the "
             f"region may measure above the prediction"

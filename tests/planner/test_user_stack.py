@@ -460,7 +460,7 @@ def test_runs_are_offered_only_where_sequential_runs_its_children_back_to_back()
 def test_a_long_sequential_offers_runs_between_every_kth_child():
     from planner.devices import device_profile
     from planner.inplace_form import price_inplace
-    from planner.passes.eager import MAX_RUN_CUTS
+    from planner.passes.candidates import MAX_RUN_CUTS
 
     n = 2 * MAX_RUN_CUTS + 1  # runs start and end at every 3rd child
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(n)))
