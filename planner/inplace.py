@@ -456,6 +456,12 @@ def _swap_spans(
 def wrap_regions(
     model: torch.nn.Module, regions: tuple[Region, ...], traced_forwards: tuple[str, ...] = ()
 ) -> None:
+    unplaced = [r.name for r in regions if r.place is None]
+    if unplaced:  # a graph plan's region, or one built by hand from its name alone
+        raise ValueError(
+            f"regions {unplaced} have no place in the model: make them with Region.at(place) "
+            f"or ModuleRegion(name)"
+        )
     # spans first, then runs: a region over the whole module wraps the forward that runs them
     parents: dict[str, list[Region]] = {path: [] for path in traced_forwards}
     for region in regions:
