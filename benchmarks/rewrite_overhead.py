@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.models import gpt_ref_example, gpt_ref_small_example  # noqa: E402
 from planner.passes.capture import capture  # noqa: E402
-from planner.passes.rewrite import CALL_OPS, NamedRegion, region_name, rewrite  # noqa: E402
+from planner.passes.regions import Region  # noqa: E402
+from planner.passes.rewrite import CALL_OPS, region_name, rewrite  # noqa: E402
 
 
 class HandCheckpoint(nn.Module):
@@ -42,7 +43,7 @@ class HandCheckpoint(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def block_regions(gm: torch.fx.GraphModule, n_blocks: int) -> list[NamedRegion]:
+def block_regions(gm: torch.fx.GraphModule, n_blocks: int) -> list[Region]:
     """One region per transformer block: the nodes whose module path is ``blocks.<i>...``."""
     taken: set[str] = set()
     regions = []
@@ -56,7 +57,7 @@ def block_regions(gm: torch.fx.GraphModule, n_blocks: int) -> list[NamedRegion]:
         )
         name = region_name(gm, nodes, taken)
         taken.add(name)
-        regions.append(NamedRegion(name, nodes))
+        regions.append(Region(name, nodes))
     return regions
 
 

@@ -4,8 +4,9 @@ its children's calls together (the U-Net's ``cat``s and max-pools between its ch
 In: a module whose ``forward`` takes tensors only and that ``torch.fx`` traces with every
 submodule a leaf (:func:`trace_parent`). Out: the aten-op interval of the eager step each of its
 call nodes ran (:class:`NodeOps`, run by ``passes/eager.py`` in its no-grad run), and the
-candidate spans over them (:func:`spans_of`), each named ``path(first..last)`` by the parent's
-path and its first and last fx call nodes (:func:`span_name`, read back by :func:`split_span`).
+candidate spans over them (:func:`spans_of`), each at a ``regions.SpanPlace``: the parent's path
+and the labels of its first and last fx call nodes (:func:`node_labels`), named
+``path(first..last)``.
 
 Applied (``planner/inplace.py``), the parent's forward runs the traced graph as
 ``passes/rewrite.py`` rewrites it for the planned spans (each one ``CheckpointRegion``); its
@@ -15,7 +16,6 @@ call nodes reach the module's own children, so module regions nested in a span s
 from __future__ import annotations
 
 import inspect
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,27 +23,20 @@ from typing import Any
 import torch
 from torch import fx
 
-from planner.passes.rewrite import CALL_OPS, _written
+from planner.passes.nodes import CALL_OPS, written_nodes
 
 # A parent's spans start and end at most this many places, every k-th node that runs ops (as
-# eager.MAX_RUN_CUTS for runs): dp's time grows fast with spans. unet_example()'s root, 19 such
+# candidates.MAX_RUN_CUTS for runs): dp's time grows fast with spans. unet_example()'s root, 19 such
 # nodes: every node, 188 candidates, dp's least 19 s; every other (16), 90, 8.7 s, the same least;
 # 8, 67, 3.0 s, 4.4% higher.
 MAX_SPAN_CUTS = 16
 
-_SPAN_NAME = re.compile(r"(?P<path>[^()]*)\((?P<first>[\w.]+?)\.\.(?P<last>[\w.]+)\)")
-
-
-def span_name(path: str, first: str, last: str) -> str:
-    """The in-place region name of the span of module ``path`` from its call node labelled
-    ``first`` to the one labelled ``last`` (inclusive; :func:`node_labels`):
-    ``(max_pool2d..down.0)`` at the root, ``blocks.0.mlp(fc..proj)``."""
-    return f"{path}({first}..{last})"
-
 
 def node_labels(gm: fx.GraphModule) -> list[str]:
-    """What span names call each call node of ``gm``, in order: a child's call by the child's
-    path (relative to the parent) where it is called once, any other node by its fx name."""
+    """What a span's place (``regions.SpanPlace``: ``(max_pool2d..down.0)`` at the root,
+    ``blocks.0.mlp(fc..proj)``) calls each call node of ``gm``, in order: a child's call by the
+    child's path (relative to the parent) where it is called once, any other node by its fx
+    name."""
     order = call_nodes(gm)
     called = Counter(str(n.target) for n in order if n.op == "call_module")
     labels = [
@@ -51,12 +44,6 @@ def node_labels(gm: fx.GraphModule) -> list[str]:
         for n in order
     ]
     return labels if len(set(labels)) == len(labels) else [n.name for n in order]
-
-
-def split_span(name: str) -> tuple[str, str, str] | None:
-    """(module path, first node, last node) of a span region's name, None for any other."""
-    match = _SPAN_NAME.fullmatch(name)
-    return None if match is None else (match["path"], match["first"], match["last"])
 
 
 class _LeafTracer(fx.Tracer):
@@ -97,7 +84,7 @@ def call_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 def writes_in_place(gm: fx.GraphModule) -> str | None:
     """The first call node of ``gm`` that writes a tensor in place, or None."""
     modules = dict(gm.named_modules())
-    return next((n.name for n in call_nodes(gm) if _written(n, modules)), None)
+    return next((n.name for n in call_nodes(gm) if written_nodes(n, modules)), None)
 
 
 class NodeOps(fx.Interpreter):

@@ -1,11 +1,13 @@
 """Rewrite pass: checkpoint regions of a GraphModule become named submodules.
 
-In: a captured ``torch.fx.GraphModule`` (``passes/capture.py``) and a laminar family of
-:class:`NamedRegion` s, each a contiguous run of its call nodes named by fx node name. Out: a new
-GraphModule whose code calls every outermost region as ``self.<region.name>(...)``; nested regions
-are called the same way inside their parent's body. The input module is left untouched.
+In: a captured ``torch.fx.GraphModule`` (``passes/capture.py``) and a laminar family of regions
+(``passes/regions.py`` ``Region``), each a contiguous run of its call nodes named by fx node
+name. Out: a new GraphModule whose code calls every outermost region as
+``self.<region.name>(...)``; nested regions are called the same way inside their parent's body.
+The input module is left untouched.
 
-Each region runs its nodes (the *body*, a small GraphModule) through
+Each region runs its nodes (the *body*, a small GraphModule) as a ``CheckpointRegion``
+(``passes/checkpoint_region.py``) through
 ``torch.utils.checkpoint.checkpoint(body, *inputs, use_reentrant=False)`` ('recompute'), with an
 op-level policy from ``create_selective_checkpoint_contexts`` that keeps the outputs of
 ``saved_nodes`` ('selective'), or through ``passes/offload.py``'s ``offloaded_call`` ('offload':
@@ -17,72 +19,35 @@ Why it trains exactly like the original:
   nodes and passes them into the region as arguments, so the new module shares the model's
   Parameter objects and its ``state_dict()`` keys are unchanged.
 - RNG: ``preserve_rng_state`` replays dropout's draws on recompute, for the regions that draw
-  random numbers (``NamedRegion.preserve_rng_state``; the others neither stash nor restore the
+  random numbers (``Region.preserve_rng_state``; the others neither stash nor restore the
   RNG state, which nothing in them reads); autocast state is replayed by checkpoint itself.
 - State written in forward (BatchNorm running statistics, ``num_batches_tracked``, any buffer an
   in-place op writes): the forward pass updates the real buffers once; every recompute runs on
   fresh copies of the values they held before the forward pass, so the recomputed outputs are the
   same bits and the buffers are not updated twice.
 - In-place writes to activations a region reads from outside are refused
-  (:class:`UnsupportedModelError`): the recompute would read the changed value.
+  (:class:`UnsupportedModelError`; what a node writes and aliases: ``passes/nodes.py``): the
+  recompute would read the changed value.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import operator
 import re
-import threading
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.fx.traceback as fx_traceback
 from torch import fx, nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    _CachedTorchDispatchMode,
-    _CachingTorchDispatchMode,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
-from planner.passes.nodes import module_path, written_arguments
-from planner.passes.offload import offloaded_call
+from planner.passes.checkpoint_region import CheckpointRegion, save_output
+from planner.passes.nodes import CALL_OPS, module_path, storage_bases, target_name, written_nodes
+from planner.passes.regions import Region
 from planner.solvers.errors import UnsupportedModelError
 
-CALL_OPS = ("call_function", "call_method", "call_module")
 KINDS = ("recompute", "selective", "offload")
-
-
-@dataclass(frozen=True)
-class NamedRegion:
-    """A checkpoint region as users see it: the fx node names it covers, in graph order.
-
-    Public as ``planner.Region`` (``plan.regions``). The solvers' ``solvers.costgraph.Region``
-    is the same region as an index interval [start, stop) of CostGraph nodes;
-    ``planning.named_regions`` names those intervals, ``planning.apply_plan`` maps these back.
-
-    ``depth`` 0 is outermost; a region of depth d+1 lies inside one of depth d. ``kind`` is
-    'recompute', 'selective' (keep the outputs of ``saved_nodes``, recompute the rest) or
-    'offload' (keep what backward needs in host memory). ``preserve_rng_state``: its
-    checkpoint stashes the RNG state and replays it on recomputation, as a region over an op
-    that draws random numbers (dropout) must; planning sets it from the priced step
-    (``CostGraph.preserves_rng_state``, simulate's Rule 12), so a region without one neither
-    stashes nor is priced for it. True when not known (the safe side).
-    """
-
-    name: str
-    nodes: tuple[str, ...]
-    depth: int = 0
-    kind: str = "recompute"
-    saved_nodes: tuple[str, ...] = ()
-    preserve_rng_state: bool = True
 
 
 # --------------------------------------------------------------------------- names
@@ -141,259 +106,19 @@ def region_name(gm: fx.GraphModule, nodes: Iterable[str | fx.Node], taken: set[s
     return name
 
 
-# --------------------------------------------------------------------------- the region module
-
-_save_state = threading.local()
-_SAVE_ANNOTATION = "planner_save_output"
-
-
-def save_output(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``op``; inside a selective region its outputs are kept for backward, not recomputed."""
-    if torch.compiler.is_compiling():
-        # Under torch.compile the policy runs later, while AOT autograd replays dynamo's graph
-        # node by node; a counter set here at trace time is gone by then. An fx annotation is
-        # recorded on the op's node, and the replay makes it the current meta again.
-        with fx_traceback.annotate({_SAVE_ANNOTATION: True}):
-            return op(*args, **kwargs)
-    _save_state.depth = getattr(_save_state, "depth", 0) + 1
-    try:
-        return op(*args, **kwargs)
-    finally:
-        _save_state.depth -= 1
-
-
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # A saved op may decompose into views of its inputs (matmul expands and reshapes them);
-    # caching those views would keep the inputs' storages, e.g. an S x S softmax, alive.
-    if getattr(op, "is_view", False):
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if getattr(_save_state, "depth", 0) or _annotated_save():
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _annotated_save() -> bool:
-    """True while torch.compile replays an op that ``save_output`` annotated."""
-    return bool(fx_traceback.current_meta.get("custom", {}).get(_SAVE_ANNOTATION))
-
-
-@contextlib.contextmanager
-def _outside_selective_checkpointing() -> Iterator[None]:
-    """Without selective checkpointing's dispatch modes (on top of the stack while a selective
-    region runs), which would count the ops run here as the region's and try to replay them;
-    other modes (a memory tracker's) still see them."""
-    popped = []
-    sac_modes = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-    while (stack := _get_current_dispatch_mode_stack()) and isinstance(stack[-1], sac_modes):
-        popped.append(_pop_mode())
-    try:
-        yield
-    finally:
-        for mode in reversed(popped):
-            _push_mode(mode)
-
-
-class CheckpointRegion(nn.Module):
-    """Runs ``body`` (a GraphModule of the region's nodes) under one checkpoint, or, for an
-    offload region, through ``offloaded_call`` (``passes/offload.py``, as the in-place form),
-    which keeps the arguments (parameters among them) and the buffers and parameters of leaf
-    modules ``body`` calls on the device.
-
-    ``body`` is kept out of the module tree on purpose: it holds no parameters of its own, and
-    leaf modules it calls (symbolic_trace graphs) are already registered in the parent, so
-    ``state_dict()``, ``parameters()`` and ``.to()`` see the model exactly as before.
-
-    ``state_inputs``: argument positions holding buffers the step writes (BatchNorm running
-    statistics...); ``state_buffers``: such buffers of leaf modules called inside ``body``.
-    ``preserve_rng_state``: checkpoint's own (``NamedRegion.preserve_rng_state``).
-    """
-
-    def __init__(
-        self,
-        body: fx.GraphModule,
-        kind: str = "recompute",
-        state_inputs: tuple[int, ...] = (),
-        state_buffers: tuple[str, ...] = (),
-        preserve_rng_state: bool = True,
-    ) -> None:
-        super().__init__()
-        object.__setattr__(self, "body", body)
-        self.kind = kind
-        self.state_inputs = state_inputs
-        self.state_buffers = state_buffers
-        self.preserve_rng_state = preserve_rng_state
-
-    def extra_repr(self) -> str:
-        return f"kind={self.kind!r}"
-
-    def forward(self, *args: Any) -> Any:
-        body = self.body
-        if not torch.is_grad_enabled():
-            return body(*args)
-        if self.kind == "offload":
-            # as the in-place form runs it: only what the body makes goes to host (Rule 7)
-            return offloaded_call(body, body, *args)
-        # body.forward, not body: checkpoint stops each recomputation early by raising through
-        # the body, and GraphModule.__call__ extracts a traceback from every exception that
-        # passes (file stats per frame): 0.05-0.1 ms per region and step on a CPU
-        fn, args = (
-            self._once(args) if self.state_inputs or self.state_buffers else (body.forward, args)
-        )
-        if self.kind == "selective":
-            return checkpoint(
-                fn,
-                *args,
-                use_reentrant=False,
-                preserve_rng_state=self.preserve_rng_state,
-                context_fn=functools.partial(
-                    create_selective_checkpoint_contexts, _selective_policy
-                ),
-            )
-        return checkpoint(
-            fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state
-        )
-
-    def _once(self, args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        """The body, but every call after the first runs on copies of the pre-step state.
-
-        State inputs are kept out of checkpoint's own arguments: checkpoint saves its
-        arguments for backward, and the in-place update would then fail its version check.
-        """
-        body = self.body
-        state = {i: args[i] for i in self.state_inputs}
-        before_args = {i: a.detach().clone() for i, a in state.items()}
-        before_bufs = {k: body.get_buffer(k).detach().clone() for k in self.state_buffers}
-        rest = tuple(a for i, a in enumerate(args) if i not in state)
-        # Only the count: the closure lives as long as the checkpoint, and holding ``args``
-        # would keep every activation argument alive with it.
-        n_args = len(args)
-        calls = 0
-
-        def merged(values: dict[int, Any], a: tuple[Any, ...]) -> tuple[Any, ...]:
-            it = iter(a)
-            return tuple(values[i] if i in values else next(it) for i in range(n_args))
-
-        def run(*a: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                return body.forward(*merged(state, a))
-            # Bookkeeping copies, not ops of the region (simulate's Rule 9 counts them).
-            with _outside_selective_checkpointing():
-                full = merged({i: v.clone() for i, v in before_args.items()}, a)
-                fresh = {k: v.clone() for k, v in before_bufs.items()}
-            if not before_bufs:
-                return body.forward(*full)
-            return torch.func.functional_call(body, fresh, full, strict=False)
-
-        return run, rest
-
-
-# --------------------------------------------------------------------------- aliasing, writes
-
-_VIEW_NAMES = {
-    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "expand",
-    "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "narrow", "select", "split",
-    "chunk", "unbind", "as_strided", "detach", "diagonal", "movedim", "swapaxes", "contiguous",
-    "__getitem__", "getitem", "real", "imag", "view_as_real", "view_as_complex", "alias",
-}  # fmt: skip
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem,
-}  # fmt: skip
-
-
-def _target_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, str):
-        return t
-    return getattr(t, "__name__", str(t))
-
-
-def _arg_value(node: fx.Node, i: int, name: str) -> Any:
-    return node.args[i] if i < len(node.args) else node.kwargs.get(name)
-
-
-def _first_node(val: Any) -> fx.Node | None:
-    nodes = _nodes_in(val)
-    return nodes[0] if nodes else None
-
-
-def _nodes_in(val: Any) -> list[fx.Node]:
-    out: list[fx.Node] = []
-    fx.node.map_arg(val, out.append)
-    return out
-
-
-def _alias_source(node: fx.Node) -> fx.Node | None:
-    """The node whose storage ``node``'s output may alias (views, in-place results)."""
-    if node.op not in CALL_OPS:
-        return None
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        sets = [r.alias_info.before_set for r in t._schema.returns if r.alias_info is not None]
-        for i, a in enumerate(t._schema.arguments):
-            if a.alias_info is not None and any(a.alias_info.before_set & s for s in sets):
-                return _first_node(_arg_value(node, i, a.name))
-        return None
-    name = _target_name(node)
-    if node.op == "call_module":
-        return None
-    if (
-        name in _VIEW_NAMES
-        or t in _INPLACE_OPERATORS
-        or (name.endswith("_") and not name.startswith("_"))
-    ):
-        return _first_node(node.args[:1])
-    return None
-
-
-def _written(node: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node]:
-    """Nodes whose storage ``node`` writes in place: aten ops by ``nodes.written_arguments``;
-    in symbolic_trace graphs, ``inplace=True`` modules and calls, ``x.add_(...)``, ``x += y``."""
-    if node.op not in CALL_OPS:
-        return []
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-
-        def value_of(i: int, name: str) -> Any:
-            return _arg_value(node, i, name)
-
-        return [w for value in written_arguments(t._schema, value_of) for w in _nodes_in(value)]
-    if node.op == "call_module":
-        mod = modules.get(str(t))
-        return _nodes_in(node.args[:1]) if getattr(mod, "inplace", False) is True else []
-    name = _target_name(node)
-    if (
-        t in _INPLACE_OPERATORS
-        or node.kwargs.get("inplace") is True
-        or (name.endswith("_") and not name.startswith("_"))
-    ):
-        return _nodes_in(node.args[:1])
-    return []
-
-
-def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    base: dict[fx.Node, fx.Node] = {}
-    for n in graph.nodes:
-        src = _alias_source(n)
-        base[n] = base.get(src, src) if src is not None else n
-    return base
-
-
 # --------------------------------------------------------------------------- the pass
 
 
 @dataclass
 class _Span:
-    region: NamedRegion
+    region: Region
     start: int
     stop: int
     members: set[fx.Node]
     children: list[_Span]
 
 
-def node_interval(region: NamedRegion, index: Mapping[str, int]) -> tuple[int, int]:
+def node_interval(region: Region, index: Mapping[str, int]) -> tuple[int, int]:
     """[start, stop) of ``region``'s nodes by ``index`` (node name -> position in graph order).
 
     Raises ``ValueError`` when it names a node ``index`` lacks or its nodes are not a contiguous
@@ -410,7 +135,7 @@ def node_interval(region: NamedRegion, index: Mapping[str, int]) -> tuple[int, i
     return idx[0], idx[-1] + 1
 
 
-def _spans(gm: fx.GraphModule, regions: Sequence[NamedRegion], order: list[fx.Node]) -> list[_Span]:
+def _spans(gm: fx.GraphModule, regions: Sequence[Region], order: list[fx.Node]) -> list[_Span]:
     """Validate regions and arrange them as a forest (outermost first, in graph order)."""
     index = {n.name: i for i, n in enumerate(order)}
     spans: list[_Span] = []
@@ -469,7 +194,7 @@ def _shell(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def rewrite(gm: fx.GraphModule, regions: Sequence[NamedRegion]) -> fx.GraphModule:
+def rewrite(gm: fx.GraphModule, regions: Sequence[Region]) -> fx.GraphModule:
     """Return a copy of ``gm`` in which each region runs as a checkpointed submodule.
 
     Deterministic: the same ``gm`` and regions give the same code. Raises ``ValueError`` for
@@ -479,7 +204,7 @@ def rewrite(gm: fx.GraphModule, regions: Sequence[NamedRegion]) -> fx.GraphModul
     order = [n for n in gm.graph.nodes if n.op in CALL_OPS]
     roots = _spans(gm, tuple(regions), order)
     modules = dict(gm.named_modules())
-    ctx = _Context(gm, order, modules, _bases(gm.graph))
+    ctx = _Context(gm, order, modules, storage_bases(gm.graph))
 
     graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
     # Shared, not deep-copied: the codegen (pytree in/out specs) is never mutated.
@@ -598,13 +323,13 @@ class _Context:
         state: set[int] = set()
         # Writes inside the region and anywhere after it change what a recompute would read.
         for n in self.order[s.start :]:
-            for w in _written(n, self.modules):
+            for w in written_nodes(n, self.modules):
                 b = self.base[w]
                 if b not in input_pos:
                     continue
                 if not self.is_state(b):
                     raise UnsupportedModelError(
-                        f"node {n.name} ({_target_name(n)}) writes in place to {b.name}, which "
+                        f"node {n.name} ({target_name(n)}) writes in place to {b.name}, which "
                         f"checkpoint region {r.name} reads from outside; its recompute in "
                         f"backward would see the changed value. Fix: make the op out-of-place "
                         f"(e.g. inplace=False, or x = x + y instead of x += y), or keep "

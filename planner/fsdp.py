@@ -236,9 +236,9 @@ def per_rank(model: torch.nn.Module, eg: EagerGraph, config: FSDPConfig) -> Eage
     hooks inside its recomputation)."""
     changes = fsdp_changes(model, eg, config)
     blocks = _units(model, eg, config)[1:]
-    spans = {
-        (start, stop): path
-        for (start, stop), path in eg.spans.items()
+    places = {
+        (start, stop): place
+        for (start, stop), place in eg.places.items()
         if all(
             stop <= u.start or start >= u.stop or u.start <= start and stop <= u.stop
             for u in blocks
@@ -247,13 +247,13 @@ def per_rank(model: torch.nn.Module, eg: EagerGraph, config: FSDPConfig) -> Eage
     graph = replace(
         eg.graph,
         buffer_changes=eg.graph.buffer_changes + changes,
-        region_spans=frozenset(spans),
+        region_spans=frozenset(places),
         meta={
             **eg.graph.meta,
             "fsdp": f"world size {config.world_size}, units {len(blocks)} + root",
         },
     )
-    return replace(eg, graph=graph, spans=spans)
+    return replace(eg, graph=graph, places=places)
 
 
 def shard(model: torch.nn.Module, config: FSDPConfig, mesh: Any = None) -> torch.nn.Module:

@@ -22,7 +22,7 @@ from planner.calibration import Calibration
 from planner.devices import DeviceProfile, device_profile, profile_of_model
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
-from planner.passes.rewrite import NamedRegion, node_interval, region_name, rewrite
+from planner.passes.rewrite import node_interval, region_name, rewrite
 from planner.passes.step import LossFn, join_input, model_input, takes_batch
 from planner.plan_file import graph_fingerprint, malformed, read_regions
 from planner.plans import Plan, Region
@@ -172,14 +172,9 @@ def build_plan(
     simulation = simulate(graph, schedule)  # also validates the schedule against the graph
     regions = named_regions(gm, graph, schedule) if regions is None else regions
     regions = with_rng_state(graph, regions)
-    # the rewrite takes the regions as passes/ knows them (passes never import planner)
-    named = [
-        NamedRegion(r.name, r.nodes, r.depth, r.kind, r.saved_nodes, r.preserve_rng_state)
-        for r in regions
-    ]
     return Plan(
         regions=tuple(regions),
-        target=GraphTarget(rewrite(gm, named), graph_fingerprint(gm)),
+        target=GraphTarget(rewrite(gm, regions), graph_fingerprint(gm)),
         solve_time_s=solve_time_s,
         **predictions(graph, schedule, simulation, budget_bytes, baseline_peak_bytes),
     )

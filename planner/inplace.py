@@ -1,9 +1,10 @@
 """Plans carried out in place on the user's own modules: ``plan(..., form="inplace")``,
 ``p.apply(model)``, ``planner.apply_plan(model, path)``, ``planner.remove(model)``.
 
-This is the run time (and the check that a model is the one planned); pricing, building and
-the form's part of the plan file are ``planner/inplace_form.py``'s, the Plan and its Region
-``planner/plans.py``'s.
+This is the run time; the check that a model is the one planned is ``planner/inplace_check.py``,
+a selective region's op-level policy ``planner/inplace_policy.py``; pricing, building and the
+form's part of the plan file are ``planner/inplace_form.py``'s, the Plan ``planner/plans.py``'s
+and its Region, with the region's place, ``passes/regions.py``'s.
 
 A region is one submodule (every call of it; the planner only offers modules called once per
 step), or a run of consecutive children of an ``nn.Sequential`` (``blocks[0:3]``,
@@ -27,10 +28,10 @@ checkpoints because the child's forward is wrapped too.
 
 'selective' regions run an op-level policy (``create_selective_checkpoint_contexts``) keyed by
 (op overload, occurrence of that overload within this call's forward), as eager dispatch sees
-the ops: MUST_SAVE for the planned keeps, PREFER_RECOMPUTE otherwise. Nothing depends on shapes,
-so any batch and sequence length runs (plan at the largest you train: memory grows with shape).
-If a call's op sequence differs from the planned one (data-dependent control flow), the rest of
-that call recomputes everything and a warning names the module once.
+the ops: MUST_SAVE for the planned keeps, PREFER_RECOMPUTE otherwise (``inplace_policy.Policy``).
+Nothing depends on shapes, so any batch and sequence length runs (plan at the largest you train:
+memory grows with shape). If a call's op sequence differs from the planned one (data-dependent
+control flow), the rest of that call recomputes everything and a warning names the module once.
 
 Applying records the plan on the model (``planner.applied_plan(model)``) and keeps Hugging
 Face's own gradient checkpointing out of its way (``planner/hf_checkpointing.py``): turned off
@@ -43,7 +44,7 @@ state is not (it graph-broke twice per region and ran the region eager). So whil
 the context function is ``functools.partial(_traced_contexts, key)``, a plain function and an
 int, and the policy it builds when AOT autograd replays the region is the eager one (by
 position), looked up by that key: the partitioner sees the planned ops as MUST_SAVE. AOT
-autograd's trace names some ops otherwise than eager dispatch (``_traced_ops``: functional for
+autograd's trace names some ops otherwise than eager dispatch (``traced_ops``: functional for
 in-place, ``view`` for ``_unsafe_view``, one ``native_dropout`` for eager CPU's four dropout
 ops), so the planned sequence is translated first. Divergence is then detected at compile time
 (once per compilation, not per call), and a region that runs fewer ops than planned is not
@@ -57,7 +58,6 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,23 +71,14 @@ from torch.utils.checkpoint import (
 
 from planner import hf_checkpointing
 from planner.guard import remove_guard
+from planner.inplace_policy import RECOMPUTE, Policy, TracedDecisions
+from planner.passes.checkpoint_region import CheckpointRegion, outside_selective_checkpointing
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.offload import offloaded_call
-from planner.passes.parent_spans import (
-    call_nodes,
-    forward_arity,
-    node_labels,
-    split_span,
-    trace_parent,
-)
-from planner.passes.rewrite import (
-    CheckpointRegion,
-    NamedRegion,
-    _outside_selective_checkpointing,
-    rewrite,
-)
-from planner.plans import Plan, Region, split_run
-from planner.solvers.errors import PlanFileError
+from planner.passes.parent_spans import call_nodes, forward_arity, node_labels, trace_parent
+from planner.passes.regions import ModulePlace, RunPlace, SpanPlace, parse_place
+from planner.passes.rewrite import rewrite
+from planner.plans import Plan, Region
 
 
 def ModuleRegion(  # noqa: N802 - its name when it was a class of its own
@@ -98,59 +89,15 @@ def ModuleRegion(  # noqa: N802 - its name when it was a class of its own
     ops: tuple[str, ...] = (),
     state_buffers: tuple[str, ...] = (),
 ) -> Region:
-    """The region of an in-place plan for module ``path``, with what applying needs and no
-    graph nodes: ``planner.Region`` (planner/plans.py), named by its path."""
-    return Region(path, (), depth, kind, keeps=keeps, ops=ops, state_buffers=state_buffers)
-
-
-def module_tree(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
-    return tuple((path, type(m).__name__) for path, m in model.named_modules())
-
-
-def parameter_shapes(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+    """The region of an in-place plan at the place ``path`` names (a module's path, a run's
+    ``blocks[0:2]``, a span's ``blocks.0(fc..proj)``), with what applying needs and no graph
+    nodes: ``planner.Region`` (passes/regions.py)."""
+    return Region.at(
+        parse_place(path), depth=depth, kind=kind, keeps=keeps, ops=ops, state_buffers=state_buffers
+    )
 
 
 # --------------------------------------------------------------------------- run time
-
-
-class _Policy:
-    """One checkpoint call's selective policy: keep or recompute the op at each position of the
-    forward, as planned for that position's (overload, occurrence).
-
-    Positions, not (overload, occurrence) keys, at run time: a policy is asked about every op of
-    the region, and a list index costs a fraction of building and hashing a key (measured: a
-    policy keyed per call made a step 3.5% slower than torch's own list policy on a small
-    GPT). The recomputation repeats the forward's decisions position by position (older torch
-    asks the policy on both sides; torch >= 2.10 replays the forward's decisions itself), so
-    both sides agree even after a divergence."""
-
-    def __init__(self, wrapper: _RegionForward) -> None:
-        self.wrapper = wrapper
-        self.seen = 0
-        self.recomputed = 0
-        self.diverged = False
-        self.decisions: list[CheckpointPolicy] = []
-
-    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if ctx.is_recompute:
-            i, self.recomputed = self.recomputed, self.recomputed + 1
-            return self.decisions[i] if i < len(self.decisions) else _RECOMPUTE
-        i, self.seen = self.seen, self.seen + 1
-        wrapper = self.wrapper
-        if not self.diverged and not wrapper.expects(i, func):
-            self.diverged = True
-            planned = wrapper.region.ops
-            wrapper.diverged(
-                f"op {i} is {func}, the plan expected "
-                + (planned[i] if i < len(planned) else "no more ops")
-            )
-        decision = _RECOMPUTE if self.diverged else wrapper.decisions[i]
-        self.decisions.append(decision)
-        return decision
-
-
-_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # key -> the wrappers whose decisions a traced context function stands for. Weak: compiled code
@@ -170,62 +117,7 @@ def _traced_contexts(key: str) -> Any:
     """A selective region's checkpoint contexts, as torch.compile builds them: dynamo keeps this
     function and ``key`` as constants, AOT autograd calls it while it traces the region."""
     wrapper = next(iter(_TRACED[key]))  # alive: dynamo is tracing one
-    return create_selective_checkpoint_contexts(_Policy(_TracedDecisions(wrapper)))
-
-
-# Eager CPU dropout (training) dispatches these four; AOT autograd's trace one native_dropout.
-_EAGER_DROPOUT = (
-    "aten.empty_like.default",
-    "aten.bernoulli_.float",
-    "aten.div_.Scalar",
-    "aten.mul.Tensor",
-)
-_NATIVE_DROPOUT = "aten.native_dropout.default"
-
-
-def _traced_name(op: str) -> str:
-    """An op's name as AOT autograd's functionalized trace dispatches it."""
-    parts = op.split(".")
-    if len(parts) == 3:
-        name = parts[1]
-        if name == "_unsafe_view":
-            name = "view"
-        elif name.endswith("_") and not name.endswith("__"):
-            name = name[:-1]  # functionalization: add_ -> add
-        parts[1] = name
-    return ".".join(parts)
-
-
-def _traced_ops(
-    ops: tuple[str, ...], decisions: tuple[CheckpointPolicy, ...]
-) -> tuple[tuple[str, ...], tuple[CheckpointPolicy, ...]]:
-    """The planned sequence and decisions as AOT autograd's trace sees the region's ops."""
-    names, kept = [], []
-    i = 0
-    while i < len(ops):
-        if ops[i : i + len(_EAGER_DROPOUT)] == _EAGER_DROPOUT:
-            step = len(_EAGER_DROPOUT)
-            names.append(_NATIVE_DROPOUT)
-            kept.append(decisions[i + step - 1])  # the dropout's output is the mul's
-        else:
-            step = 1
-            names.append(_traced_name(ops[i]))
-            kept.append(decisions[i])
-        i += step
-    return tuple(names), tuple(kept)
-
-
-class _TracedDecisions:
-    """A region's planned ops and decisions as AOT autograd's trace sees them (``_Policy``
-    asks it as it asks the eager wrapper); divergence warns through the wrapper, once."""
-
-    def __init__(self, wrapper: _RegionForward) -> None:
-        ops, self.decisions = _traced_ops(wrapper.region.ops, wrapper.decisions)
-        self.region = replace(wrapper.region, ops=ops)
-        self.diverged = wrapper.diverged
-
-    def expects(self, i: int, func: Any) -> bool:
-        return i < len(self.region.ops) and _traced_name(str(func)) == self.region.ops[i]
+    return create_selective_checkpoint_contexts(Policy(TracedDecisions(wrapper)))
 
 
 class _RegionForward(ForwardWrapper):
@@ -238,7 +130,7 @@ class _RegionForward(ForwardWrapper):
         for op in region.ops:
             keep = (op, occurrences[op]) in keeps
             occurrences[op] += 1
-            decisions.append(CheckpointPolicy.MUST_SAVE if keep else _RECOMPUTE)
+            decisions.append(CheckpointPolicy.MUST_SAVE if keep else RECOMPUTE)
         self.decisions = tuple(decisions)
         self.register()
         # the overload seen at each position, once its name matched the plan's
@@ -292,7 +184,7 @@ class _RegionForward(ForwardWrapper):
                 preserve_rng_state=preserve,
                 context_fn=functools.partial(_traced_contexts, self.key),
             )
-        policy = _Policy(self)
+        policy = Policy(self)
         out = checkpoint(
             body,
             *tensors,
@@ -356,7 +248,8 @@ def _updating_once(
     """``body``, but every call after the first (checkpoint's recomputations) runs on fresh
     copies of the values ``names`` (buffers of ``module``) held before the step, so BatchNorm
     statistics are updated once and the recomputed outputs are the same bits (as
-    ``passes/rewrite.py`` ``CheckpointRegion._once``; simulate's Rule 9 prices the copies)."""
+    ``passes/checkpoint_region.py`` ``CheckpointRegion._once``; simulate's Rule 9 prices the
+    copies)."""
     before = {n: module.get_buffer(n).detach().clone() for n in names}
     calls = 0
 
@@ -365,7 +258,7 @@ def _updating_once(
         calls += 1
         if calls == 1:
             return body(*args)
-        with _outside_selective_checkpointing():  # bookkeeping, not ops of the region
+        with outside_selective_checkpointing():  # bookkeeping, not ops of the region
             fresh = {n: v.clone() for n, v in before.items()}
         with _reparametrize_module(module, fresh):
             return body(*args)
@@ -511,7 +404,7 @@ class _ParentSpans(ForwardWrapper):
             while stack and stack[-1] < b:  # depth among this parent's spans
                 stack.pop()
             name = f"ckpt_span_{k}"
-            named.append(NamedRegion(name, tuple(order[a:b]), len(stack), r.kind))
+            named.append(Region(name, tuple(order[a:b]), len(stack), r.kind))
             by_name[name] = r
             stack.append(b)
         gm = self.built[module] = rewrite(gm, named)
@@ -539,8 +432,9 @@ class _ParentSpans(ForwardWrapper):
 
 def _node_span(region: Region, labels: list[str]) -> tuple[int, int]:
     """[a, b) of a span region's fx call nodes, labelled ``labels`` in order."""
-    _, first, last = split_span(region.name)  # type: ignore[misc]
-    return labels.index(first), labels.index(last) + 1
+    span = region.place
+    assert isinstance(span, SpanPlace)
+    return labels.index(span.first), labels.index(span.last) + 1
 
 
 def _outer_first(region: Region, labels: list[str]) -> tuple[int, int]:
@@ -562,30 +456,34 @@ def _swap_spans(
 def wrap_regions(
     model: torch.nn.Module, regions: tuple[Region, ...], traced_forwards: tuple[str, ...] = ()
 ) -> None:
+    unplaced = [r.name for r in regions if r.place is None]
+    if unplaced:  # a graph plan's region, or one built by hand from its name alone
+        raise ValueError(
+            f"regions {unplaced} have no place in the model: make them with Region.at(place) "
+            f"or ModuleRegion(name)"
+        )
     # spans first, then runs: a region over the whole module wraps the forward that runs them
     parents: dict[str, list[Region]] = {path: [] for path in traced_forwards}
     for region in regions:
-        if (span := split_span(region.name)) is not None:
-            parents.setdefault(span[0], []).append(region)
+        if isinstance(span := region.place, SpanPlace):
+            parents.setdefault(span.path, []).append(region)
     for path, spans in parents.items():
         module = model.get_submodule(path)
         _ParentSpans(module, path, spans).install(module)
     sequentials: dict[str, _SequentialRuns] = {}
     for region in regions:
-        if split_span(region.name) is not None:
-            continue
-        path, children = split_run(region.path)
-        if children is not None:
-            runs = sequentials.get(path)
+        if isinstance(run := region.place, RunPlace):
+            runs = sequentials.get(run.path)
             if runs is None:
-                runs = sequentials[path] = _SequentialRuns()
-                runs.install(model.get_submodule(path))
-            runs.calls[(children.start, children.stop)] = _RunForward(region, runs, children)
+                runs = sequentials[run.path] = _SequentialRuns()
+                runs.install(model.get_submodule(run.path))
+            children = slice(run.start, run.stop)
+            runs.calls[(run.start, run.stop)] = _RunForward(region, runs, children)
     for path, runs in sequentials.items():
         runs.plan_steps(len(model.get_submodule(path)))
     for region in regions:
-        if split_span(region.name) is None and split_run(region.path)[1] is None:
-            _RegionForward(region).install(model.get_submodule(region.path))
+        if isinstance(place := region.place, ModulePlace):
+            _RegionForward(region).install(model.get_submodule(place.path))
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
@@ -605,114 +503,3 @@ def unwrap_regions(model: torch.nn.Module) -> None:
             _RegionForward | _SequentialRuns | _ParentSpans,
         ):
             wrapper.uninstall(module)
-
-
-def check_fits(
-    model: torch.nn.Module,
-    model_class: str,
-    tree: tuple[tuple[str, str], ...],
-    regions: tuple[Region, ...],
-    source: str,
-    shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
-    traced_forwards: tuple[str, ...] = (),
-) -> None:
-    """PlanFileError naming the first way ``model`` differs from the one ``source`` was made
-    for: its class, a region's module path or class (a span's nodes), a module that runs its
-    traced forward (``traced_forwards``), any module of the tree, then the first parameter
-    whose shape differs (``shapes``; empty: not checked)."""
-    fix = "Plan this model with planner.plan(..., form='inplace') and save that plan."
-    if type(model).__name__ != model_class:
-        raise PlanFileError(
-            f"{source} was made for a {model_class}, this model is a {type(model).__name__}. {fix}"
-        )
-    types = dict(tree)
-    for r in regions:
-        span = split_span(r.name)
-        path, children = split_run(r.path) if span is None else (span[0], None)
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            raise PlanFileError(
-                f"{source} checkpoints module {path!r}, which this model does not have. {fix}"
-            ) from None
-        if type(module).__name__ != types.get(path):
-            raise PlanFileError(
-                f"{source} checkpoints {path!r} as a {types.get(path)}, in this model it is "
-                f"a {type(module).__name__}. {fix}"
-            )
-        if children is not None and not (
-            isinstance(module, torch.nn.Sequential) and children.stop <= len(module)
-        ):
-            raise PlanFileError(
-                f"{source} checkpoints children {children.start} to {children.stop - 1} of "
-                f"{path!r} as one call, which needs an nn.Sequential of at least "
-                f"{children.stop} children. {fix}"
-            )
-        if span is not None:
-            _check_span(module, span, source, fix)
-    for path in traced_forwards:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            raise PlanFileError(
-                f"{source} runs the traced forward of module {path!r}, which this model does "
-                f"not have. {fix}"
-            ) from None
-        _check_span(module, (path, "", ""), source, fix)
-    ours = module_tree(model)
-    for (path, kind), (their_path, their_kind) in zip(tree, ours):
-        if (path, kind) != (their_path, their_kind):
-            raise PlanFileError(
-                f"{source}'s module tree differs from this model's: {path!r} ({kind}) there, "
-                f"{their_path!r} ({their_kind}) here. {fix}"
-            )
-    if len(tree) != len(ours):
-        raise PlanFileError(
-            f"{source}'s module tree has {len(tree)} modules, this model {len(ours)}. {fix}"
-        )
-    if shapes:
-        _check_shapes(model, shapes, source, fix)
-
-
-def _check_span(module: torch.nn.Module, span: tuple[str, str, str], source: str, fix: str) -> None:
-    """PlanFileError unless ``module``'s forward traces (``passes/parent_spans.py``) to a graph
-    in which the span's first node is no later than its last."""
-    path, first, last = span
-    try:
-        order = node_labels(trace_parent(module))
-    except Exception as e:  # noqa: BLE001 - whatever fx raises
-        raise PlanFileError(
-            f"{source} runs {path!r}'s own forward as torch.fx traces it, which fx cannot "
-            f"trace here ({type(e).__name__}: {e}). {fix}"
-        ) from None
-    if not first:  # a traced forward without a span of its own
-        return
-    for node in (first, last):
-        if node not in order:
-            raise PlanFileError(
-                f"{source} checkpoints {path!r}'s forward from node {first!r} to {last!r}; its "
-                f"traced forward has no node {node!r}. {fix}"
-            )
-    if order.index(first) > order.index(last):
-        raise PlanFileError(
-            f"{source} checkpoints {path!r}'s forward from node {first!r} to {last!r}, which "
-            f"comes before it. {fix}"
-        )
-
-
-def _check_shapes(
-    model: torch.nn.Module, shapes: tuple[tuple[str, tuple[int, ...]], ...], source: str, fix: str
-) -> None:
-    # The same module tree at another width prices other bytes: the plan would not hold.
-    ours = dict(parameter_shapes(model))
-    for name, shape in shapes:
-        here = ours.pop(name, None)
-        if here != shape:
-            this = "does not have it" if here is None else f"has {list(here)}"
-            raise PlanFileError(
-                f"{source} was made for parameter {name!r} of shape {list(shape)}, this model "
-                f"{this}. {fix}"
-            )
-    if ours:
-        name = next(iter(ours))
-        raise PlanFileError(f"{source} was made for a model without parameter {name!r}. {fix}")

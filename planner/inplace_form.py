@@ -25,7 +25,8 @@ from planner.calibration import Calibration
 from planner.devices import DeviceProfile, profile_of_model
 from planner.fsdp import FSDPConfig, per_rank
 from planner.guard import PlannedShape, install_guard, planned_shape
-from planner.inplace import apply_regions, check_fits, module_tree, parameter_shapes
+from planner.inplace import apply_regions
+from planner.inplace_check import check_fits, module_tree, parameter_shapes
 from planner.passes.eager import EagerGraph, eager_graph
 from planner.passes.step import LossFn
 from planner.plan_file import malformed, read_plan_body, read_predictions, read_regions
@@ -253,18 +254,18 @@ def build_inplace_plan(
     simulation = simulate(graph, schedule)  # validates: regions are module spans
     regions = []
     for r in sorted(schedule.regions, key=lambda r: (r.start, -r.stop)):
-        path = eg.spans[(r.start, r.stop)]
+        place = eg.places[(r.start, r.stop)]
         saved = sorted(r.saved_nodes)
         regions.append(
-            Region(
-                name=path,
+            Region.at(
+                place,
                 nodes=tuple(graph.nodes[i].name for i in range(r.start, r.stop)),
                 depth=r.depth,
                 kind=r.kind,
                 saved_nodes=tuple(graph.nodes[i].name for i in saved),
                 keeps=tuple(eg.op_key(i, r.start) for i in saved),
                 ops=tuple(eg.op_sequence(r.start, r.stop)),
-                state_buffers=eg.state_buffers.get(path, ()),
+                state_buffers=eg.state_buffers.get(place.name, ()),
                 preserve_rng_state=graph.preserves_rng_state(r.start, r.stop),
             )
         )

@@ -23,6 +23,7 @@ import torch
 
 from planner import plans
 from planner.passes.file_format import check_header
+from planner.passes.regions import parse_place
 from planner.plans import Plan, Region
 from planner.solvers.errors import PlanFileError
 
@@ -108,10 +109,12 @@ def read_plan_body(path: str | Path) -> dict[str, Any]:
 
 
 def read_regions(body: Mapping[str, Any]) -> tuple[Region, ...]:
-    """The regions of a checked body (KeyError, TypeError or ValueError when malformed)."""
+    """The regions of a checked body (KeyError, TypeError or ValueError when malformed); an
+    in-place plan's each at the place its name names."""
+    in_place = body.get("form") == "inplace"
     return tuple(
         Region(
-            name=str(r["name"] if "name" in r else r["module"]),
+            name=(name := str(r["name"] if "name" in r else r["module"])),
             nodes=tuple(str(n) for n in r["nodes"]),
             depth=int(r["depth"]),
             kind=str(r["kind"]),
@@ -121,6 +124,7 @@ def read_regions(body: Mapping[str, Any]) -> tuple[Region, ...]:
             state_buffers=tuple(str(b) for b in r.get("state_buffers", ())),
             # files saved before it was recorded: every region preserved, as then
             preserve_rng_state=bool(r.get("preserve_rng_state", True)),
+            place=parse_place(name) if in_place else None,
         )
         for r in body["regions"]
     )

@@ -1,4 +1,5 @@
-"""The Plan: one frozen type for plans of either form, and the Region a plan lists.
+"""The Plan: one frozen type for plans of either form. The Region it lists, with its place in
+the model, is ``passes/regions.py``'s (``planner.Region``; the rewrite pass takes it too).
 
 A plan is data: the regions to checkpoint, what it predicts for one step, the budget, the
 solver and its note, and its ``target``, the form's own part (``planner/graph_form.py``: the
@@ -15,13 +16,11 @@ them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from planner.passes.parent_spans import split_span
-from planner.passes.rewrite import NamedRegion
+from planner.passes.regions import Region
 from planner.solvers.costgraph import CostGraph, Schedule
 from planner.solvers.simulate import Simulation
 
@@ -34,56 +33,6 @@ GB = 10**9  # mem_budget_gb counts decimal gigabytes, as its name says
 def gb_to_bytes(gb: float) -> int:
     """Decimal gigabytes (10^9 bytes) in bytes, as every budget and device size is counted."""
     return round(float(gb) * GB)
-
-
-@dataclass(frozen=True)
-class Region(NamedRegion):
-    """A checkpoint region as users see it (``planner.Region``, ``plan.regions``).
-
-    ``name``: in a graph plan the GraphModule attribute that runs it (``ckpt_blocks_0``); in
-    an in-place plan the path of the module it checkpoints (``blocks.0``, also ``path``).
-    ``nodes``: the cost-graph node names it covers, in order; ``depth`` 0 is outermost, a
-    region of depth d+1 lies inside one of depth d; ``kind``: 'recompute', 'selective' (keep
-    the outputs of ``saved_nodes``, recompute the rest) or 'offload' (keep what backward needs
-    in host memory). The solvers' ``solvers.costgraph.Region`` is the same region as an index
-    interval of the cost graph.
-
-    What applying in place needs besides, with no graph and no shapes: ``keeps``, (op
-    overload, occurrence within the call) of the ops a selective region keeps; ``ops``, the
-    overloads its forward was planned to run, in order, to detect divergence at run time;
-    ``state_buffers``, buffers its forward writes (BatchNorm statistics), recomputed on copies.
-    """
-
-    keeps: tuple[tuple[str, int], ...] = ()
-    ops: tuple[str, ...] = ()
-    state_buffers: tuple[str, ...] = ()
-
-    @property
-    def path(self) -> str:
-        """The module path of an in-place region (its name; for a run of an nn.Sequential's
-        children, ``blocks[0:2]``, the Sequential's path and the slice: :func:`split_run`; for
-        a span of a module's own forward, ``blocks.0(mul..down_proj)``: :func:`region_module`)."""
-        return self.name
-
-
-def split_run(name: str) -> tuple[str, slice | None]:
-    """(module path, children slice) of an in-place region's name: ``blocks[0:2]`` is a run of
-    children 0 and 1 of the ``nn.Sequential`` ``blocks``; a plain path has no slice."""
-    match = _RUN_NAME.fullmatch(name)
-    if match is None:
-        return name, None
-    return match["path"], slice(int(match["a"]), int(match["b"]))
-
-
-_RUN_NAME = re.compile(r"(?P<path>.*)\[(?P<a>\d+):(?P<b>\d+)\]")
-
-
-def region_module(name: str) -> str:
-    """The path of the module an in-place region is of: the module itself, a run's
-    nn.Sequential (``blocks[0:2]``: :func:`split_run`), or the module whose own forward a span
-    is of (``blocks.0(mul..down_proj)``: ``passes/parent_spans.py`` ``split_span``)."""
-    span = split_span(name)
-    return split_run(name)[0] if span is None else span[0]
 
 
 @dataclass(frozen=True)

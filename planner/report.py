@@ -24,8 +24,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from planner.passes.parent_spans import span_name, split_span
-from planner.plans import Plan, region_module, split_run
+from planner.passes.regions import ModulePlace, Place, RunPlace, SpanPlace
+from planner.plans import Plan
 from planner.solvers.costgraph import CostGraph, Region, Tensor
 from planner.solvers.simulate import offload_time_s
 
@@ -162,35 +162,37 @@ def module_paths(graph: CostGraph, span: Region) -> list[str]:
 
 
 def model_parts(
-    graph: CostGraph, span: Region, limit: int = 3, prefix: str = "", root: str | None = None
+    graph: CostGraph, span: Region, limit: int = 3, prefix: str = "", root: Place | None = None
 ) -> str:
     """``limit`` of :func:`module_paths` with ``prefix`` taken off each, e.g. ``blocks.0,
     blocks.1, +2 more``. ``root``: the module the region is (in place), which stands for every
     path inside it."""
     paths = module_paths(graph, span)
     if root is not None:
-        path, children = split_run(root)
         # a run (blocks[0:2]) stands for its children's paths as a module for its own
-        kids = () if children is None else range(children.start, children.stop)
-        heads = (root,) if children is None else tuple(f"{path}.{k}".lstrip(".") for k in kids)
+        heads = (
+            tuple(f"{root.path}.{k}".lstrip(".") for k in range(root.start, root.stop))
+            if isinstance(root, RunPlace)
+            else (root.name,)
+        )
         inside = [p for p in paths if p in heads or p.startswith(tuple(f"{h}." for h in heads))]
-        paths = [root] * bool(inside) + [p for p in paths if p not in inside]
+        paths = [root.name] * bool(inside) + [p for p in paths if p not in inside]
     parts = [p.removeprefix(prefix) for p in paths]
     shown = ", ".join(parts[:limit])
     return shown + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
 
 
-def shown_name(name: str, prefix: str) -> str:
+def shown_name(place: Place, prefix: str) -> str:
     """An in-place region's name without ``prefix``: a module's path, a run's
     (``blocks[0:2]``), a span's parent and, for a span of the root's forward, its ends
     (``(encoder.layers.0.attn..encoder.layers.0.mlp)``, whose ends are paths from the root)."""
-    span = split_span(name)
-    if span is None:
-        return name.removeprefix(prefix)
-    path, first, last = span
-    if path:
-        return span_name(path.removeprefix(prefix), first, last)
-    return span_name("", first.removeprefix(prefix), last.removeprefix(prefix))
+    match place:
+        case SpanPlace(path="", first=first, last=last):
+            return SpanPlace("", first.removeprefix(prefix), last.removeprefix(prefix)).name
+        case SpanPlace(path=path):
+            return replace(place, path=path.removeprefix(prefix)).name
+        case ModulePlace() | RunPlace():
+            return place.name.removeprefix(prefix)
 
 
 def common_path_prefix(paths: Sequence[str]) -> str:
@@ -220,14 +222,35 @@ def _numeric_after(common: list[str], split: list[list[str]]) -> bool:
 
 
 def plan_summary(plan: Plan, verbose: bool = False) -> str:
-    """The text of ``plan.summary(verbose)``."""
+    """The text of ``plan.summary(verbose)``: the totals, notes on how the step was priced,
+    then one row per region (:func:`region_table`)."""
+    costs = region_costs(plan)
+    unit = 1e9 if plan.simulation.recompute_flops >= 1e9 else 1e6  # tiny models stay legible
+    lines = _totals(plan, unit) + _pricing_notes(plan) + _region_notes(plan, costs, verbose)
+    # An in-place plan's regions are module paths too: one prefix, said once, for both columns
+    # (long paths in narrow columns were cut to "model.laye…").
+    spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
+    paths = [p for span in spans for p in module_paths(plan.graph, span)]
+    if plan.form == "inplace":
+        paths += [r.place.path if isinstance(r.place, SpanPlace) else r.name for r in plan.regions]
+    prefix = common_path_prefix(paths)
+    if prefix:
+        lines.append(f"module paths below leave out the prefix they share, {prefix!r}")
+    table = region_table(plan, costs, unit, prefix, verbose)
+    # As wide as the table needs to keep every path on one line, within reason.
+    width = min(max(140 if verbose else 120, natural_width(table)), 200)
+    text = "\n".join(lines) + "\n" + plain_text(table, width=width)
+    if not verbose:
+        text += "solver details: plan.summary(verbose=True)\n"
+    return text
+
+
+def _totals(plan: Plan, unit: float) -> list[str]:
+    """The budget, the predicted peak, recomputation and step time, in words."""
     graph, sim = plan.graph, plan.simulation
     step_flops = max(graph.step_flops, 1)
     saving = 1 - plan.predicted_peak_bytes / max(plan.baseline_peak_bytes, 1)
-    costs = region_costs(plan)
-    freed_bytes = sum(c.freed_bytes for c in costs)
-    unit = 1e9 if sim.recompute_flops >= 1e9 else 1e6  # tiny models stay legible
-    lines = [
+    return [
         f"planner: solver {plan.solver!r}, budget {format_bytes(plan.budget_bytes)} "
         f"({plan.budget_bytes / 1e9:.3f} GB)",
         f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
@@ -245,6 +268,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         )
         + (f" ({graph.meta['device']})" if graph.meta.get("device") else ""),
     ]
+
+
+def _pricing_notes(plan: Plan) -> list[str]:
+    """What the plan was solved and priced under: compile's margin, other predictions, the
+    dtypes, the attention kernel, what pricing could not know."""
+    graph, lines = plan.graph, []
     if plan.compiled_margin:  # plan(..., compiled=True): planner/compiled.py
         lines.append(
             f"for torch.compile: no nested regions (compile flattens them), planned within "
@@ -263,16 +292,23 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         lines.append(f"priced in {graph.meta['precision']}")
     lines.extend(_attention_lines(graph.meta))
     lifetimes = graph.meta.get("python_lifetimes", "")
-    if lifetimes.startswith("unknown"):  # passes/eager.py _python_lifetimes: not on the safe side
+    if lifetimes.startswith("unknown"):  # passes/python_lifetimes.py: not on the safe side
         lines.append(
             f"Python's lifetimes are {lifetimes}: a storage a region's caller holds past the "
             f"region may measure above the prediction"
         )
+    return lines
+
+
+def _region_notes(plan: Plan, costs: list[RegionCost], verbose: bool) -> list[str]:
+    """What the regions free in all, each offload's transfer against its recomputation, and
+    (``verbose``) what the solver said."""
+    lines = []
     if plan.regions:
         lines.append(
-            f"{len(plan.regions)} regions keep {format_bytes(freed_bytes)} less for backward "
-            f"(recomputed or offloaded instead); the predicted peak counts what recomputation "
-            f"needs itself"
+            f"{len(plan.regions)} regions keep {format_bytes(sum(c.freed_bytes for c in costs))} "
+            f"less for backward (recomputed or offloaded instead); the predicted peak counts "
+            f"what recomputation needs itself"
         )
     for cost in costs:
         if cost.kind == "offload":
@@ -290,18 +326,19 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
         lines.append(
             f"solver: {plan.schedule.note or 'no note'}; optimality gap "
             f"{'unknown' if gap is None else f'{gap:.1%}'}; solved in {plan.solve_time_s:.2f} s "
-            f"on {len(graph.nodes)} graph nodes"
+            f"on {len(plan.graph.nodes)} graph nodes"
         )
+    return lines
+
+
+def region_table(
+    plan: Plan, costs: list[RegionCost], unit: float, prefix: str, verbose: bool
+) -> Table:
+    """One row per region (its name, kind, what it covers, frees and costs to recompute) and
+    the totals; module paths without ``prefix``."""
+    graph, sim = plan.graph, plan.simulation
     spans = sorted(plan.schedule.regions, key=lambda r: (r.start, -r.stop))
-    # An in-place plan's regions are module paths too: one prefix, said once, for both columns
-    # (long paths in narrow columns were cut to "model.laye…").
     in_place = plan.form == "inplace"
-    paths = [p for span in spans for p in module_paths(graph, span)]
-    names = [r.name if split_span(r.name) is None else region_module(r.name) for r in plan.regions]
-    prefix = common_path_prefix(paths + names if in_place else paths)
-    if prefix:
-        lines.append(f"module paths below leave out the prefix they share, {prefix!r}")
-    table = Table(title=f"{len(plan.regions)} checkpoint regions", title_justify="left")
     columns = ["region", "kind", "covers", "frees", "recompute", "recompute time"]
     offloads = any(c.kind == "offload" for c in costs)
     if offloads:
@@ -309,9 +346,9 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
     body = []
     for region, span, cost in zip(plan.regions, spans, costs):
         cells = [
-            "  " * region.depth + (shown_name(region.name, prefix) if in_place else region.name),
+            "  " * region.depth + (shown_name(region.place, prefix) if in_place else region.name),
             region.kind,
-            model_parts(graph, span, prefix=prefix, root=region.name if in_place else None),
+            model_parts(graph, span, prefix=prefix, root=region.place if in_place else None),
             format_bytes(cost.freed_bytes),
             format_flops(cost.recompute_flops, unit),
             format_ms(cost.recompute_time_s),
@@ -320,7 +357,7 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             cells += [format_bytes(cost.offload_bytes), format_ms(cost.transfer_time_s)]
         body.append(cells)
     if plan.regions:
-        total = ["total", "", "", format_bytes(freed_bytes)]
+        total = ["total", "", "", format_bytes(sum(c.freed_bytes for c in costs))]
         total += [format_flops(sim.recompute_flops, unit), format_ms(sim.recompute_time_s)]
         if offloads:
             total += [format_bytes(sim.offload_bytes), format_ms(sim.offload_time_s)]
@@ -340,6 +377,12 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             ]
         if plan.regions:
             body[-1][at:at] = ["", "", ""]
+    return _table(f"{len(plan.regions)} checkpoint regions", columns, body, len(plan.regions))
+
+
+def _table(title: str, columns: list[str], body: list[list[str]], section_at: int) -> Table:
+    """A rich table of ``body`` under ``columns``; the totals from row ``section_at`` on."""
+    table = Table(title=title, title_justify="left")
     for column in columns:
         numeric = column not in ("region", "kind", "covers")
         # the names are what a user looks up (p.module.<name>): never cut them; paths wrap
@@ -351,15 +394,10 @@ def plan_summary(plan: Plan, verbose: bool = False) -> str:
             overflow="fold",
         )
     for i, cells in enumerate(body):
-        if i == len(plan.regions):
+        if i == section_at:
             table.add_section()
         table.add_row(*cells)
-    # As wide as the table needs to keep every path on one line, within reason.
-    width = min(max(140 if verbose else 120, natural_width(table)), 200)
-    text = "\n".join(lines) + "\n" + plain_text(table, width=width)
-    if not verbose:
-        text += "solver details: plan.summary(verbose=True)\n"
-    return text
+    return table
 
 
 def natural_width(renderable: object) -> int:

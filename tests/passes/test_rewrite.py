@@ -10,10 +10,10 @@ from torch import nn
 
 from benchmarks.models import gpt_ref_small_example, residual_cnn_example
 from planner.passes.capture import capture
+from planner.passes.regions import Region
 from planner.passes.rewrite import (
     CALL_OPS,
     CheckpointRegion,
-    NamedRegion,
     region_name,
     rewrite,
 )
@@ -54,7 +54,7 @@ def _module_regions(gm, prefixes):
         )
         name = region_name(gm, nodes, taken)
         taken.add(name)
-        regions.append(NamedRegion(name, nodes))
+        regions.append(Region(name, nodes))
     return regions
 
 
@@ -68,7 +68,7 @@ def _slices(gm, seed, k):
     for j in range(k):
         # every other interval becomes a region, so plain nodes sit between regions
         start, stop = bounds[2 * j], bounds[2 * j + 1]
-        regions.append(NamedRegion(f"ckpt_slice_{j}", tuple(names[start:stop])))
+        regions.append(Region(f"ckpt_slice_{j}", tuple(names[start:stop])))
     return regions
 
 
@@ -133,7 +133,7 @@ def test_random_slices_bitwise(which, seed, request):
 
 def test_whole_graph_one_region(gpt):
     model, example_input, gm = gpt
-    new = rewrite(gm, [NamedRegion("ckpt_all", tuple(n.name for n in _calls(gm)))])
+    new = rewrite(gm, [Region("ckpt_all", tuple(n.name for n in _calls(gm)))])
     assert_same_step(model, new, example_input)
 
 
@@ -170,17 +170,15 @@ def test_bad_regions_are_refused(gpt):
     _, _, gm = gpt
     names = [n.name for n in _calls(gm)]
     with pytest.raises(ValueError, match="contiguous"):
-        rewrite(gm, [NamedRegion("ckpt_a", (names[3], names[5]))])
+        rewrite(gm, [Region("ckpt_a", (names[3], names[5]))])
     with pytest.raises(ValueError, match="not in the graph"):
-        rewrite(gm, [NamedRegion("ckpt_a", ("no_such_node",))])
+        rewrite(gm, [Region("ckpt_a", ("no_such_node",))])
     with pytest.raises(ValueError, match="overlap"):
-        rewrite(
-            gm, [NamedRegion("ckpt_a", tuple(names[2:6])), NamedRegion("ckpt_b", tuple(names[4:8]))]
-        )
+        rewrite(gm, [Region("ckpt_a", tuple(names[2:6])), Region("ckpt_b", tuple(names[4:8]))])
     with pytest.raises(ValueError, match="clashes"):
-        rewrite(gm, [NamedRegion("blocks", tuple(names[2:6]))])
+        rewrite(gm, [Region("blocks", tuple(names[2:6]))])
     with pytest.raises(ValueError, match="depth"):
-        rewrite(gm, [NamedRegion("ckpt_a", tuple(names[2:6]), depth=1)])
+        rewrite(gm, [Region("ckpt_a", tuple(names[2:6]), depth=1)])
 
 
 class _DictOut(nn.Module):
@@ -206,8 +204,8 @@ def test_multiple_and_dict_outputs():
     # region ends right after chunk: its outputs are the tuple's items used later
     chunk_at = next(i for i, n in enumerate(_calls(gm)) if "chunk" in str(n.target))
     regions = [
-        NamedRegion("ckpt_head", tuple(names[: chunk_at + 2])),
-        NamedRegion("ckpt_tail", tuple(names[chunk_at + 3 :])),
+        Region("ckpt_head", tuple(names[: chunk_at + 2])),
+        Region("ckpt_tail", tuple(names[chunk_at + 3 :])),
     ]
     new = rewrite(gm, regions)
     out_a, out_b = model(x), new(x)

@@ -20,7 +20,8 @@ from benchmarks.models import (
     residual_cnn_example,
 )
 from planner.passes.capture import capture
-from planner.passes.rewrite import CALL_OPS, CheckpointRegion, NamedRegion, region_name, rewrite
+from planner.passes.regions import Region
+from planner.passes.rewrite import CALL_OPS, CheckpointRegion, region_name, rewrite
 from planner.solvers.errors import UnsupportedModelError
 from tests.helpers import assert_same_step
 
@@ -44,7 +45,7 @@ def _regions(gm, prefixes, depth=0, kind="recompute", saved=lambda n: False):
         name = region_name(gm, [n.name for n in nodes], taken)
         taken.add(name)
         keep = tuple(n.name for n in nodes if saved(n))
-        out.append(NamedRegion(name, tuple(n.name for n in nodes), depth, kind, keep))
+        out.append(Region(name, tuple(n.name for n in nodes), depth, kind, keep))
     return out
 
 
@@ -95,7 +96,7 @@ def test_mixed_nesting_bitwise(gpt):
     # a selective region holding a nested recompute region
     regions = _regions(gm, ["blocks.0"], kind="selective", saved=_is_matmul)
     regions = [
-        NamedRegion(
+        Region(
             r.name,
             r.nodes,
             0,
@@ -198,7 +199,7 @@ def test_batchnorm_momentum_none_and_untracked():
     gm = captured.module
     names = [n.name for n in _calls(gm)]
     bn_at = next(i for i, n in enumerate(_calls(gm)) if "bn_free" in _path(n))
-    new = rewrite(gm, [NamedRegion("ckpt_features", tuple(names[: bn_at + 2]))])
+    new = rewrite(gm, [Region("ckpt_features", tuple(names[: bn_at + 2]))])
     _train_steps(ref, x)
     _train_steps(new, x)
     assert model.bn_cma.num_batches_tracked.item() == 3
@@ -224,7 +225,7 @@ def test_random_ops_replay_on_recompute():
     torch.manual_seed(0)
     model, x = _Noisy(), torch.randn(8, 16)
     gm = capture(model, x).module
-    new = rewrite(gm, [NamedRegion("ckpt_all", tuple(n.name for n in _calls(gm)))])
+    new = rewrite(gm, [Region("ckpt_all", tuple(n.name for n in _calls(gm)))])
     assert_same_step(model, new, x, seed=3)
 
 
@@ -267,14 +268,14 @@ def test_in_place_write_to_region_input_is_refused():
     gm = capture(_LaterInPlace(), x).module
     names = [n.name for n in _calls(gm)]  # linear, sigmoid, mul, add_, linear_1, add
     with pytest.raises(UnsupportedModelError, match=r"node add_ .* writes in place to linear"):
-        rewrite(gm, [NamedRegion("ckpt_act", (names[1], names[2]))])
+        rewrite(gm, [Region("ckpt_act", (names[1], names[2]))])
     model = _InPlaceOnInput()
     gm = capture(model, x).module
     names = [n.name for n in _calls(gm)]  # linear, relu, mul_, linear_1, add
     with pytest.raises(UnsupportedModelError, match=r"mul_ .* region ckpt_act"):
-        rewrite(gm, [NamedRegion("ckpt_act", tuple(names[1:3]))])
+        rewrite(gm, [Region("ckpt_act", tuple(names[1:3]))])
     # the same in-place op is fine when the region also produces what it writes
-    assert_same_step(model, rewrite(gm, [NamedRegion("ckpt_act", tuple(names[0:3]))]), x)
+    assert_same_step(model, rewrite(gm, [Region("ckpt_act", tuple(names[0:3]))]), x)
 
 
 def test_tied_weights():
@@ -286,8 +287,8 @@ def test_tied_weights():
     calls = _calls(gm)
     # the embedding and the head each in their own region: one Parameter, two readers
     regions = [
-        NamedRegion("ckpt_embed", tuple(n.name for n in calls[:6])),
-        NamedRegion("ckpt_head", tuple(n.name for n in calls[-6:])),
+        Region("ckpt_embed", tuple(n.name for n in calls[:6])),
+        Region("ckpt_head", tuple(n.name for n in calls[-6:])),
     ]
     new = rewrite(gm, regions)
     assert list(new.state_dict()) == list(model.state_dict())

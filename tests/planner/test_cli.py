@@ -21,7 +21,6 @@ import planner
 from benchmarks.models import gpt_ref_small_example
 from planner.cli import main
 from planner.cli_flags import UsageError, parse_budget, parse_budgets, parse_shape
-from planner.plans import region_module
 from planner.report import format_bytes, format_ms
 from tests.helpers import assert_same_step_copy
 
@@ -447,10 +446,10 @@ def test_a_hugging_face_class_plans_from_its_config(tmp_path, capsys):
     assert [r["module"] for r in body["regions"]] == [r.name for r in p.regions]
     module_paths = dict(model.named_modules())
     # regions are of the model's own modules (spans: of their own forwards)
-    assert all(region_module(r.name) in module_paths for r in p.regions)
+    assert all(r.place.path in module_paths for r in p.regions)
     reference = copy.deepcopy(model)
     assert planner.apply_plan(model, out_json) is model
-    assert {region_module(r.name) for r in p.regions} <= set(wrapped_modules(model))
+    assert {r.place.path for r in p.regions} <= set(wrapped_modules(model))
     assert_same_step_copy(reference, model, {"input_ids": ids, "labels": ids})
 
 

@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from benchmarks.models import GPT, GPTConfig
 from planner.passes.capture import capture
-from planner.passes.rewrite import CALL_OPS, NamedRegion, rewrite
+from planner.passes.regions import Region
+from planner.passes.rewrite import CALL_OPS, rewrite
 from tests.helpers import assert_same_step, step
 
 # Dropout off for the distributed tests: each rank draws its own masks, so a 2-rank step can
@@ -33,10 +34,10 @@ def _rewritten(model, example_input):
     gm = capture(model, example_input).module
     calls = [n.name for n in gm.graph.nodes if n.op in CALL_OPS]
     regions = [
-        NamedRegion("ckpt_a", tuple(calls[3:30])),
-        NamedRegion("ckpt_b", tuple(calls[30:60])),
-        NamedRegion("ckpt_b_1", tuple(calls[32:40]), depth=1),
-        NamedRegion("ckpt_b_2", tuple(calls[45:55]), depth=1, kind="selective",
+        Region("ckpt_a", tuple(calls[3:30])),
+        Region("ckpt_b", tuple(calls[30:60])),
+        Region("ckpt_b_1", tuple(calls[32:40]), depth=1),
+        Region("ckpt_b_2", tuple(calls[45:55]), depth=1, kind="selective",
                saved_nodes=(calls[46],)),
     ]  # fmt: skip
     return rewrite(gm, regions)
@@ -147,9 +148,7 @@ def test_compile_batchnorm_state_once_per_step():
     gm = capture(model, x).module
     calls = [n.name for n in gm.graph.nodes if n.op in CALL_OPS]
     compiled = torch.compile(
-        rewrite(
-            gm, [NamedRegion("ckpt_a", tuple(calls[:8])), NamedRegion("ckpt_b", tuple(calls[8:16]))]
-        ),
+        rewrite(gm, [Region("ckpt_a", tuple(calls[:8])), Region("ckpt_b", tuple(calls[8:16]))]),
         backend="aot_eager",
     )
     for module in (ref, compiled):

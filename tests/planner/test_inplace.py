@@ -17,7 +17,6 @@ from planner import inplace
 from planner.devices import profile_of_model
 from planner.inplace import ModuleRegion, apply_regions
 from planner.passes.step import call, training_loss
-from planner.plans import region_module
 from planner.solvers.errors import PlanFileError, PlannerError
 from tests.helpers import assert_same_step_copy
 
@@ -49,7 +48,7 @@ def planned():
 def _wrapped(p: planner.Plan) -> list[str]:
     """The modules applying ``p`` gives a forward of their own: its regions' (a span's: the
     module whose forward it is of) and those that run their traced forward."""
-    return sorted({region_module(r.name) for r in p.regions} | set(p.traced_forwards))
+    return sorted({r.place.path for r in p.regions} | set(p.traced_forwards))
 
 
 def test_plan_is_module_granular_and_priced_on_eager(planned):
@@ -59,7 +58,7 @@ def test_plan_is_module_granular_and_priced_on_eager(planned):
     assert p.baseline_peak_bytes == eager_bytes  # priced on what eager runs: exact here
     names = dict(model.named_modules())
     for r in p.regions:  # a module, or a span of a module's own forward (an MLP's fc..proj)
-        path = region_module(r.name)
+        path = r.place.path
         assert path in names, r.name
         assert all(n.startswith(path) for n in r.nodes if not n.startswith("step:")), r
     assert p.predicted_peak_bytes <= p.budget_bytes

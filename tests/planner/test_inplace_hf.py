@@ -32,7 +32,6 @@ import torch
 import torch.utils.checkpoint
 
 import planner
-from planner.plans import region_module
 from tests.helpers import assert_same_step_copy
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tiny configs only; a download would be a bug
@@ -201,7 +200,7 @@ def test_apply_keeps_the_model(any_applied: Applied):
         assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     # Half the eager peak needs checkpointing: the plan wraps modules, exactly its regions' (a
     # span's: the module whose own forward it is of) and those it runs traced
-    regions = {region_module(r.name) for r in p.regions} | set(p.traced_forwards)
+    regions = {r.place.path for r in p.regions} | set(p.traced_forwards)
     assert p.regions and wrapped_paths(model) == regions
     for path in wrapped_paths(model):
         module = model.get_submodule(path)

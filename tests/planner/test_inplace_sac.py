@@ -13,7 +13,6 @@ import pytest
 import planner
 from benchmarks.models import gpt_ref_small_example
 from benchmarks.vs_anchors import selective_save_matmuls, step_flops
-from planner.plans import region_module
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.registry import solve
 from planner.solvers.selective import is_matmul
@@ -57,7 +56,7 @@ def test_least_flops_plan_at_sacs_measured_peak_fits_recomputes_no_more_and_wrap
     # no more regions in the blocks than SAC's one per block (spans of their own forwards,
     # passes/parent_spans.py, let it wrap fewer ops), and a span of the root's own forward (its
     # embeddings and dropout: no FLOPs recomputed) on top
-    assert len([r for r in plan.regions if region_module(r.name)]) <= n_layer
+    assert len([r for r in plan.regions if r.place.path]) <= n_layer
     assert plan.predicted_step_time_s < sac_sim.step_time_s
     assert plan.simulation.recompute_time_s < sac_sim.recompute_time_s
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import planner
-from planner.plans import region_module
 from tests.planner.tiny_llama import BATCH, SEQ, Rows, batch, llama
 
 L = pytest.importorskip("lightning")  # before the callback's module, which imports it
@@ -123,7 +122,7 @@ def test_lightning_applies_a_saved_plan_in_setup(tmp_path):
     trainer, _ = fit(module, tmp_path / "fit", cb)
     assert planner.applied_plan(module.model) is cb.plan  # applied in setup
     # each region's module wrapped (a span of a module's own forward: that module)
-    assert {region_module(r.path) for r in cb.plan.module_regions} == {
+    assert {r.place.path for r in cb.plan.module_regions} == {
         path for path, m in module.model.named_modules() if "forward" in m.__dict__
     }
     assert [h["planner/predicted_peak_bytes"] for h in cb.history] == [p.predicted_peak_bytes] * 3

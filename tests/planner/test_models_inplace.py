@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import planner
-from planner.plans import region_module
 from tests import models_zoo as zoo
 from tests.helpers import assert_same_step_copy
 
@@ -63,7 +62,7 @@ def test_the_default_plan_is_in_place_and_applies_to_the_model_itself(applied):
     # a region is one of the model's modules, a run of an nn.Sequential's children, or a span
     # of a module's own forward
     names = dict(applied.model.named_modules())
-    assert all(region_module(r.name) in names for r in applied.plan.regions)
+    assert all(r.place.path in names for r in applied.plan.regions)
 
 
 def test_trains_bitwise_like_an_untouched_copy(applied):

@@ -13,7 +13,7 @@ from torch import nn
 
 import planner
 from benchmarks.models import residual_cnn_example
-from planner.passes.parent_spans import split_span
+from planner.passes.regions import SpanPlace
 from planner.planning import price_form
 from tests.models_zoo import small_unet_example
 
@@ -47,7 +47,7 @@ def _planned_at_least(model: nn.Module, x: torch.Tensor) -> tuple[planner.Plan, 
 def unet():
     model, x = small_unet_example()
     p, eager = _planned_at_least(model, x)
-    assert any(split_span(r.name) for r in p.regions)  # spans of the root's own forward
+    assert any(isinstance(r.place, SpanPlace) for r in p.regions)  # spans of the root's own forward
     return model, x, p, eager
 
 
@@ -89,9 +89,9 @@ def test_a_saved_plan_reapplies_its_spans(unet, tmp_path):
     assert _bitwise(_step(fresh, x)[0], _step(plain, x)[0])
 
     # a span naming a node the traced forward lacks: refused, naming it
-    span = next(r for r in p.regions if split_span(r.name))
-    parent, first, _ = split_span(span.name)
-    bad = replace(span, name=f"{parent}({first}..no_such_node)")
+    span = next(r for r in p.regions if isinstance(r.place, SpanPlace))
+    bad_place = replace(span.place, last="no_such_node")
+    bad = replace(span, name=bad_place.name, place=bad_place)
     edited = replace(p, regions=tuple(bad if r is span else r for r in p.regions))
     edited.save(path)
     with pytest.raises(planner.PlanFileError, match="no node 'no_such_node'"):
@@ -133,5 +133,5 @@ def test_a_parent_fx_cannot_trace_offers_no_spans_and_says_why():
     torch.manual_seed(0)
     model, x = _Branchy(), torch.randn(4, 8)
     eg = price_form(model, x, "inplace", device="cpu").eager
-    assert not any(split_span(name) for name in eg.spans.values())
+    assert not any(isinstance(place, SpanPlace) for place in eg.places.values())
     assert "no spans of its own forward" in eg.refused["(..)"]

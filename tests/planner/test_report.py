@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import planner
 from benchmarks.models import gpt_ref_small_example
-from planner.passes.parent_spans import split_span
+from planner.passes.regions import SpanPlace
 from planner.planning import price
 from planner.plots import node_bytes
 from planner.report import (
@@ -227,12 +227,12 @@ def test_summary_keeps_module_paths_whole(form):
         table = text.split("checkpoint regions", 1)[1]
         if form == "inplace":  # a module region covers itself: no column says so (a span
             # of a module's own forward covers its children: the column is there)
-            assert ("covers" in table) == any(split_span(r.name) for r in p.regions)
+            assert ("covers" in table) == any(isinstance(r.place, SpanPlace) for r in p.regions)
         elif not verbose:  # the first three of each region, then "+N more"
             # (verbose: up to 200 columns, past which a path folds onto the next line)
             for path in [path for span in spans for path in module_paths(p.graph, span)[:3]]:
                 assert path.removeprefix("encoder_stack.") in table, path
                 assert path not in table
         for r in p.regions:  # in place a region's name is its module's path: shortened alike
-            name = shown_name(r.name, "encoder_stack.") if form == "inplace" else r.name
+            name = shown_name(r.place, "encoder_stack.") if form == "inplace" else r.name
             assert f" {'  ' * r.depth}{name} " in table

@@ -22,7 +22,7 @@ from torch import nn
 
 import planner
 from planner.inplace import apply_regions
-from planner.passes.rewrite import NamedRegion, rewrite
+from planner.passes.rewrite import rewrite
 from planner.planning import price_form
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.simulate import simulate
@@ -148,10 +148,7 @@ def test_regions_preserve_rng_state_only_where_they_draw_random_numbers(form, dr
         forced_regions = tuple(replace(r, preserve_rng_state=True) for r in p.regions)
         forced = apply_regions(copy.deepcopy(model), forced_regions)
     else:
-        named = [
-            NamedRegion(r.name, r.nodes, r.depth, r.kind, r.saved_nodes, True) for r in p.regions
-        ]
-        forced = rewrite(priced.module, named)
+        forced = rewrite(priced.module, [replace(r, preserve_rng_state=True) for r in p.regions])
     assert _states_taken(forced, x) == 3 + 1 + 2 + 2  # the same count, for all three
     forced_bytes = planner.measure(forced, x).peak_bytes
     assert forced_bytes == simulate(_every_node_random(graph), schedule).peak_bytes

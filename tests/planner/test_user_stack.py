@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from planner.passes.parent_spans import split_span
+from planner.passes.regions import Place, RunPlace, SpanPlace
 from planner.planning import price_form
-from planner.plans import split_run
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.errors import UnsupportedModelError
 from tests.helpers import assert_same_step_copy
@@ -286,12 +285,13 @@ def _bn_paths(model) -> set[str]:
     return {path for path, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
 
 
-def _covered(model, region: str, nodes: tuple[str, ...] = ()) -> set[str]:
+def _covered(model, region: Place, nodes: tuple[str, ...] = ()) -> set[str]:
     """The module paths an in-place region runs: a module's, a run's children's, or those whose
     ops a span of a module's own forward runs (its ``nodes``: ``<module path>:<op>:<k>``)."""
-    if split_span(region) is not None:
+    if isinstance(region, SpanPlace):
         return {node.split(":")[0] for node in nodes}
-    path, children = split_run(region)
+    path = region.path
+    children = slice(region.start, region.stop) if isinstance(region, RunPlace) else None
     module = model.get_submodule(path)
     if children is not None:
         module = module[children]
@@ -337,7 +337,7 @@ def test_the_unet_plans_at_half_of_eager_in_place_with_batchnorm_regions():
     reference = copy.deepcopy(model)
     half = planner.measure(model, x).peak_bytes // 2
     p = planner.plan(model, x, half / 1e9, form="inplace", device="cpu")
-    assert _bn_paths(model) & set().union(*(_covered(model, r.name, r.nodes) for r in p.regions))
+    assert _bn_paths(model) & set().union(*(_covered(model, r.place, r.nodes) for r in p.regions))
     planned = p.apply(copy.deepcopy(model))
     assert planner.measure(planned, x).peak_bytes == p.predicted_peak_bytes <= half
     _assert_trains_alike_with_statistics(reference, planned, x)
@@ -460,19 +460,20 @@ def test_runs_are_offered_only_where_sequential_runs_its_children_back_to_back()
 def test_a_long_sequential_offers_runs_between_every_kth_child():
     from planner.devices import device_profile
     from planner.inplace_form import price_inplace
-    from planner.passes.eager import MAX_RUN_CUTS
+    from planner.passes.candidates import MAX_RUN_CUTS
 
     n = 2 * MAX_RUN_CUTS + 1  # runs start and end at every 3rd child
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(n)))
     eg = price_inplace(model, torch.randn(2, 4), device=device_profile("cpu"))
-    runs = [split_run(name)[1] for name in eg.spans.values() if name.startswith("[")]
+    runs = [p for p in eg.places.values() if isinstance(p, RunPlace)]
     cuts = {*range(0, n, 3), n}
     assert runs and all(r.start in cuts and r.stop in cuts for r in runs)
     assert len(runs) == len(cuts) * (len(cuts) - 1) // 2 - 1  # every pair but all n
 
 
 def test_a_plan_file_run_on_a_shorter_sequential_names_it(tmp_path):
-    from planner.inplace import ModuleRegion, check_fits, module_tree
+    from planner.inplace import ModuleRegion
+    from planner.inplace_check import check_fits, module_tree
 
     model, _ = _residual_cnn()
     short, _ = _residual_cnn()
