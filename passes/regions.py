@@ -83,6 +83,12 @@ def parse_place(name: str) -> Place:
     return ModulePlace(name)
 
 
+def place_of(region: Region) -> Place:
+    """Where in the model an in-place ``region`` is: its place, or for one a user made from
+    its name alone (``planner.Region("blocks.0", ())``), the place that name names."""
+    return region.place if region.place is not None else parse_place(region.name)
+
+
 @dataclass(frozen=True)
 class Region:
     """A checkpoint region as users see it (``planner.Region``, ``plan.regions``).

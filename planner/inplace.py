@@ -58,6 +58,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -76,7 +77,7 @@ from planner.passes.checkpoint_region import CheckpointRegion, outside_selective
 from planner.passes.forward_wrapper import ForwardWrapper
 from planner.passes.offload import offloaded_call
 from planner.passes.parent_spans import call_nodes, forward_arity, node_labels, trace_parent
-from planner.passes.regions import ModulePlace, RunPlace, SpanPlace, parse_place
+from planner.passes.regions import ModulePlace, RunPlace, SpanPlace, parse_place, place_of
 from planner.passes.rewrite import rewrite
 from planner.plans import Plan, Region
 
@@ -456,12 +457,7 @@ def _swap_spans(
 def wrap_regions(
     model: torch.nn.Module, regions: tuple[Region, ...], traced_forwards: tuple[str, ...] = ()
 ) -> None:
-    unplaced = [r.name for r in regions if r.place is None]
-    if unplaced:  # a graph plan's region, or one built by hand from its name alone
-        raise ValueError(
-            f"regions {unplaced} have no place in the model: make them with Region.at(place) "
-            f"or ModuleRegion(name)"
-        )
+    regions = tuple(replace(r, place=place_of(r)) for r in regions)
     # spans first, then runs: a region over the whole module wraps the forward that runs them
     parents: dict[str, list[Region]] = {path: [] for path in traced_forwards}
     for region in regions:

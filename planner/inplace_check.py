@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from planner.passes.parent_spans import node_labels, trace_parent
-from planner.passes.regions import RunPlace, SpanPlace
+from planner.passes.regions import RunPlace, SpanPlace, place_of
 from planner.plans import Region
 from planner.solvers.errors import PlanFileError
 
@@ -47,12 +47,7 @@ def check_fits(
         )
     types = dict(tree)
     for r in regions:
-        place = r.place
-        if place is None:
-            raise ValueError(
-                f"in-place region {r.name!r} has no place: make it with Region.at(place) "
-                f"or ModuleRegion(name)"
-            )
+        place = place_of(r)
         path = place.path
         try:
             module = model.get_submodule(path)
