@@ -15,7 +15,7 @@ DAGs with skips and held storages, and chains with in-place writes, with Rule 5 
 (``tests/solvers/test_dp_exactness.py``), and with nodes that save nothing
 (``tests/solvers/test_frame.py``). Outside that exact space: selective regions, priced as
 recomputed to their end, their cache handed back as simulate's Rule 6 says
-(``simulate.region_peak``),
+(``prices.region_peak``),
 and three rules only estimated graphs use, which dp does not model exactly, so its prices may
 differ from simulate's there: Python-held storages (``Tensor.freed_after``, Rule 1), buffer
 copies (Rule 9) and CPU checkpoints' RNG stashes (Rule 12: priced per region over a node that
@@ -103,16 +103,10 @@ from planner.solvers.cuts import allowed_cuts, block_spans, crossing_bytes, even
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.frontier import EMPTY, Frontier, constant, dense, improve
 from planner.solvers.greedy import GreedyOptions, solve_greedy
+from planner.solvers.prices import Prices, exposed_transfer_s, prices, region_peak
 from planner.solvers.registry import SolverOptions, register, time_limit_text
 from planner.solvers.revolve import RevolveOptions, solve_revolve
-from planner.solvers.selective import is_matmul, out_bytes, worth_keeping
-from planner.solvers.simulate import (
-    exposed_transfer_s,
-    gradient_bytes,
-    region_peak,
-    rule5_saves,
-    simulate,
-)
+from planner.solvers.simulate import simulate
 
 INF = math.inf
 # See simulate's Rule 2: (f, q): the backward of every node before node f in a context (and in
@@ -213,142 +207,6 @@ class OutOfTime(Exception):
     """The programme passed its deadline; what it had built is incomplete and dropped."""
 
 
-@dataclass(frozen=True)
-class _Prices:
-    """Per-node and per-tensor numbers the programme reads, in grid units, computed once."""
-
-    n: int
-    unit_bytes: int
-    size: tuple[int, ...]
-    producer: tuple[int, ...]
-    needers: tuple[tuple[int, ...], ...]  # sorted forward readers and savers after the producer
-    savers: tuple[tuple[int, ...], ...]
-    is_output: tuple[bool, ...]
-    produced: tuple[tuple[int, ...], ...]
-    saves: tuple[frozenset[int], ...]  # tensors each node saves for backward
-    time_s: tuple[float, ...]  # each node's recomputation (CostGraph.node_recompute_time_s)
-    prefix_time_s: tuple[float, ...]
-    fwd_temp: tuple[int, ...]
-    bwd_temp: tuple[int, ...]
-    grad_at_bwd: tuple[int, ...]  # gradient + parameter-gradient bytes at node i's backward
-    grad_after: tuple[int, ...]  # the same once node i's backward is done (index n: none done)
-    held_fwd: tuple[int, ...]  # bytes held to the end of the step, alive at node i's forward
-    keepable: tuple[bool, ...]  # outputs a selective region would keep (solvers/selective.py)
-    matmul: tuple[bool, ...]  # every matmul's, attention scores too (SAC's "save matmuls")
-    bounds: tuple[int, ...]  # cuts a region boundary may use (solvers/cuts.py region_bounds)
-    grad_at_raw: tuple[int, ...]  # grad_at_bwd and grad_after in bytes, for differences
-    grad_after_raw: tuple[int, ...]
-    # seconds a region of this kind over [start, stop) adds beyond its recomputation
-    overhead_s: Callable[[int, int, str], float]
-    # See simulate's Rule 5: the nodes whose saves a recomputation counts (None: it runs to the
-    # region's end), and the storages a node allocates after its last save.
-    rule5_saves: tuple[bool, ...] | None
-    after_last_save: tuple[bool, ...]
-    size_bytes: tuple[int, ...]  # storage sizes in bytes, for offload transfer times
-    fwd_prefix_s: tuple[float, ...]  # forward time, for offload overlap (Rule 7)
-    offload_bytes_per_s: float
-    offload_overlap: float
-    # Units each checkpoint call that preserves its RNG state stashes (simulate's Rule 12: a
-    # region over a node that draws random numbers, :meth:`stash_of`), priced as held from the
-    # region's start to its backward's end, plus fork_rng's copy at each forward event of its
-    # recomputation; nested calls' stashes in the first forward are not carried to the root,
-    # and a recomputation's nested stashes are held past it: not exact there.
-    stash: int = 0
-    # whether a region over [start, stop) preserves its RNG state (CostGraph's)
-    preserves: Callable[[int, int], bool] = lambda start, stop: True
-    random: tuple[bool, ...] = ()  # per node: it draws random numbers
-
-    def stash_of(self, start: int, stop: int) -> int:
-        """Units a checkpoint over nodes [start, stop) stashes: ``stash`` when it preserves its
-        RNG state (a node in it draws random numbers), else 0."""
-        return self.stash if self.stash and self.preserves(start, stop) else 0
-
-    def grad_rel(self, at: int, b: int) -> int:
-        """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
-        The difference is rounded, not the two ends: equal blocks get equal numbers."""
-        return -(-(self.grad_at_raw[at] - self.grad_after_raw[b]) // self.unit_bytes)
-
-    def grad_after_rel(self, j: int, b: int) -> int:
-        """Units of gradient bytes once ``j``'s backward is done above those after ``b``'s."""
-        return -(-(self.grad_after_raw[j] - self.grad_after_raw[b]) // self.unit_bytes)
-
-
-def prices(graph: CostGraph, unit_bytes: int = 1) -> _Prices:
-    n = len(graph.nodes)
-    produced: list[list[int]] = [[] for _ in range(n)]
-    saves: list[set[int]] = [set() for _ in range(n)]
-    # Storages held to the end of the step (autocast's weight copies) are alive from their
-    # producer on and never recomputed: a function of position, like the gradient buffers.
-    held_from = [0] * n
-    for t_i, t in enumerate(graph.tensors):
-        if t.held_to_end:
-            held_from[t.producer] += t.size_bytes
-            continue
-        produced[t.producer].append(t_i)
-        for s in t.saved_by:
-            saves[s].add(t_i)
-    held_prefix, total = [], 0
-    for b in held_from:
-        total += b
-        held_prefix.append(total)
-    # Gradient buffers follow reverse node order whatever the schedule, so they are a
-    # function of position only (simulate's own bookkeeping).
-    alloc, free = gradient_bytes(graph)
-    grad_at, grad_after = [0] * n, [0] * (n + 1)
-    live = 0
-    for i in range(n - 1, -1, -1):
-        live += alloc[i]
-        grad_at[i] = live
-        live -= free[i]
-        grad_after[i] = live
-    out = out_bytes(graph)
-    times = [graph.node_recompute_time_s(i) for i in range(n)]
-    prefix, fwd_prefix = [0.0], [0.0]
-    for i, t_s in enumerate(times):
-        prefix.append(prefix[-1] + t_s)
-        fwd_prefix.append(fwd_prefix[-1] + graph.node_time_s(i))
-
-    def units(x: int) -> int:  # round up: the rounded model never under-counts
-        return -(-x // unit_bytes)
-
-    return _Prices(
-        n=n,
-        unit_bytes=unit_bytes,
-        size=tuple(units(t.size_bytes) for t in graph.tensors),
-        producer=tuple(t.producer for t in graph.tensors),
-        needers=tuple(
-            tuple(sorted({u for u in (*t.users, *t.saved_by) if u > t.producer}))
-            for t in graph.tensors
-        ),
-        savers=tuple(tuple(t.saved_by) for t in graph.tensors),
-        is_output=tuple(t.is_output for t in graph.tensors),
-        produced=tuple(tuple(p) for p in produced),
-        saves=tuple(frozenset(s) for s in saves),
-        time_s=tuple(times),
-        prefix_time_s=tuple(prefix),
-        fwd_temp=tuple(units(nd.fwd_temp_bytes) for nd in graph.nodes),
-        bwd_temp=tuple(units(nd.bwd_temp_bytes) for nd in graph.nodes),
-        grad_at_bwd=tuple(units(g + total) for g in grad_at),
-        grad_after=tuple(units(g + total) for g in grad_after),
-        held_fwd=tuple(units(h) for h in held_prefix),
-        keepable=tuple(worth_keeping(graph, i, out) for i in range(n)),
-        matmul=tuple(is_matmul(graph, i) for i in range(n)),
-        bounds=tuple(region_bounds(graph)),
-        grad_at_raw=tuple(g + total for g in grad_at),
-        grad_after_raw=tuple(g + total for g in grad_after),
-        overhead_s=graph.checkpoint_overhead_s,
-        rule5_saves=rule5_saves(graph),
-        after_last_save=tuple(t.after_last_save for t in graph.tensors),
-        size_bytes=tuple(t.size_bytes for t in graph.tensors),
-        fwd_prefix_s=tuple(fwd_prefix),
-        offload_bytes_per_s=graph.offload_bytes_per_s,
-        offload_overlap=graph.offload_overlap,
-        stash=units(graph.region_state_bytes),
-        preserves=graph.preserves_rng_state,
-        random=tuple(nd.draws_random for nd in graph.nodes),
-    )
-
-
 class _Programme:
     """The memoised recursion. A state is (c, b, crossing, root, whole_ok, depth):
 
@@ -363,7 +221,7 @@ class _Programme:
 
     def __init__(
         self,
-        p: _Prices,
+        p: Prices,
         coarse: list[int],
         max_span: int,
         max_depth: int | None,
@@ -905,7 +763,7 @@ class _Programme:
         """``V[m]``: least recompute time from cut c to the context's end within m units, for
         the state whose :meth:`key` is ``key`` (callers keep the key: the choices they record
         name the state by it). ``ctx_stash``: units of fork_rng's copy the context's
-        recomputation holds (Rule 12: its region's :meth:`_Prices.stash_of`; 0 at the root)."""
+        recomputation holds (Rule 12: its region's :meth:`Prices.stash_of`; 0 at the root)."""
         if key is None:
             return self._end
         got = self.memo.get(key)

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from planner.solvers.costgraph import CostGraph, Region
-from planner.solvers.dp import prices
-from planner.solvers.simulate import (
+from planner.solvers.prices import (
+    Prices,
     frame_node,
     offload_fetch_bytes,
     offload_time_s,
+    prices,
     region_peak,
     trigger_node,
 )
-
-if TYPE_CHECKING:
-    from planner.solvers.dp import _Prices as Prices
 
 
 @dataclass
