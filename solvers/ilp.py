@@ -52,12 +52,8 @@ import numpy as np
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, region_bounds
-from planner.solvers.dp import (
-    DEFAULT_COARSE_SPAN,
-    DPOptions,
-    coarse_cut_points,
-    solve_dp,
-)
+from planner.solvers.dp_levels import DEFAULT_COARSE_SPAN, DPOptions, coarse_cut_points
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.ilp_rows import Model, build
 from planner.solvers.prices import frame_node, rule5_saves

@@ -8,7 +8,7 @@ import pytest
 
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.cuts import allowed_cuts, forbidden_cuts, region_bounds
-from planner.solvers.dp import solve_dp
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import SOLVERS, get_solver
 from planner.solvers.simulate import InvalidScheduleError, simulate

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Region, Schedule
-from planner.solvers.dp import solve_dp
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError, UnsupportedModelError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.registry import get_solver
