@@ -75,7 +75,8 @@ Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNor
         -- except the part a node of the region's own saves for backward
         (``Node.state_saved_bytes``: BatchNorm saves the running statistics it ran on, so the
         recomputation's copies), which lives until that node's backward.
-Rule 10. Every region boundary is a cut that in-place writes allow (``solvers/cuts.py``).
+Rule 10. Every region boundary is a cut that in-place writes allow (``solvers/cuts.py``;
+        checked with the rest of a schedule's shape by ``solvers/validate.py``).
 Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their fixed points of
         the first forward and of backward, never during a recomputation: a change after node
         i's backward comes before the recomputation of a region ending at node i - 1 (FSDP2
@@ -112,7 +113,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.solvers.costgraph import BufferChange, CostGraph, Region, Schedule, Tensor
-from planner.solvers.cuts import forbidden_cuts
 from planner.solvers.prices import (
     frame_node,
     gradient_bytes,
@@ -121,6 +121,7 @@ from planner.solvers.prices import (
     stop_node,
     trigger_node,
 )
+from planner.solvers.validate import validate
 
 ROOT = Region(0, 0, depth=-1)
 
@@ -146,39 +147,6 @@ class Simulation:
     # + each region's own bookkeeping (CostGraph.region_overhead_time_s): ``overhead_time_s``.
     step_time_s: float = 0.0
     overhead_time_s: float = 0.0
-
-
-class InvalidScheduleError(ValueError):
-    """A schedule whose regions are not a laminar family of intervals inside the graph."""
-
-
-def validate(graph: CostGraph, schedule: Schedule) -> None:
-    n = len(graph.nodes)
-    regions = sorted(schedule.regions, key=lambda r: (r.start, -r.stop))
-    forbidden = forbidden_cuts(graph)
-    for r in regions:
-        if not 0 <= r.start < r.stop <= n:
-            raise InvalidScheduleError(f"region {r} lies outside nodes 0..{n}")
-        if graph.region_spans is not None and (r.start, r.stop) not in graph.region_spans:
-            raise InvalidScheduleError(
-                f"region {r} is not one of the graph's region spans (one module call each, for "
-                f"a plan applied in place); solvers 'auto', 'dp' and 'ilp' keep to them"
-            )
-        for c in (r.start, r.stop):
-            if c in forbidden:
-                raise InvalidScheduleError(
-                    f"region {r} has a boundary at cut {c}, before node {graph.nodes[c].name}: "
-                    f"a storage produced before it is written in place at or after it"
-                )
-    enclosing: list[Region] = []  # sorted by (start, -stop): the chain of regions around r
-    for r in regions:
-        while enclosing and enclosing[-1].stop <= r.start:
-            enclosing.pop()
-        if enclosing and enclosing[-1] == r:
-            raise InvalidScheduleError(f"region {r} appears twice")
-        if enclosing and r.stop > enclosing[-1].stop:
-            raise InvalidScheduleError(f"regions {enclosing[-1]} and {r} overlap without nesting")
-        enclosing.append(r)
 
 
 class _Replay:
