@@ -193,15 +193,15 @@ class Programme(Layout):
         # of the region's first saving node (none when nothing in it saves)
         frame = self.first_save[c] < j
         stash = p.stash_of(c, j) if frame else 0
-        args = sum(p.size[t] for t, kept in crossing if not kept and self.needed_in(t, c, j))
+        args = sum(p.size_units[t] for t, kept in crossing if not kept and self.needed_in(t, c, j))
         fwd_own, inner, own_kept, own_nxt, cost = self.selective_parts(c, j, b, keep, args)
-        fwd = sum(p.size[t] for t, _ in crossing) + fwd_own
-        held = sum(p.size[t] for t, kept in crossing if kept) + (args if frame else 0)
+        fwd = sum(p.size_units[t] for t, _ in crossing) + fwd_own
+        held = sum(p.size_units[t] for t, kept in crossing if kept) + (args if frame else 0)
         held += stash  # its own; fork_rng's copy and the cached outputs are in ``inner``
         kept_bytes, nxt = stash + own_kept, list(own_nxt)
         for t, kept in crossing:
             if self.last_need(t, b, root) < j:
-                kept_bytes += p.size[t] if frame or kept else 0
+                kept_bytes += p.size_units[t] if frame or kept else 0
             else:
                 nxt.append((t, kept or (frame and self.needed_in(t, c, j))))
         nxt = tuple(sorted(nxt))
@@ -209,7 +209,7 @@ class Programme(Layout):
         rest = self.value_at(rest_key, j, b, nxt, root, True, 0)
         if rest.top == INF:
             return best
-        need = max(fwd, held + p.grad_after[j] + inner)
+        need = max(fwd, held + p.grad_after_units[j] + inner)
         v = rest.shifted(kept_bytes, self.size).plus(cost).from_(max(need, 0))
         best, better = improve(best, v, len(options))
         if better:
@@ -239,15 +239,19 @@ class Programme(Layout):
         fetched = 0
         if offload is not None:
             sent = {t for t in saves if offload[0] <= p.producer[t] < offload[1]}
-            saves, fetched = saves - sent, sum(p.size[t] for t in sent)
+            saves, fetched = saves - sent, sum(p.size_units[t] for t in sent)
         if partial:
             own = tuple(t for t in own if not p.after_last_save[t])
-        fwd = sum(p.size[t] for t, _ in crossing) + sum(p.size[t] for t in own) + p.fwd_temp[i]
+        fwd = (
+            sum(p.size_units[t] for t, _ in crossing)
+            + sum(p.size_units[t] for t in own)
+            + p.fwd_temp_units[i]
+        )
         # a recomputation runs with fork_rng's copy of the stash it restored (Rule 12)
-        fwd += p.held_fwd[i] if root else ctx_stash + self.trig_grad[b]  # Rule 4
-        bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i] + fetched
-        bwd += sum(p.size[t] for t, kept in crossing if kept is True or t in saves)
-        bwd += sum(p.size[t] for t in own if t in saves)
+        fwd += p.held_fwd_units[i] if root else ctx_stash + self.trig_grad[b]  # Rule 4
+        bwd = (p.grad_at_bwd_units[i] if root else p.grad_rel(i, b)) + p.bwd_temp_units[i] + fetched
+        bwd += sum(p.size_units[t] for t, kept in crossing if kept is True or t in saves)
+        bwd += sum(p.size_units[t] for t in own if t in saves)
         if credit is not None and i < credit[0]:
             bwd -= credit[1]
         kept_bytes, nxt = 0, []
@@ -258,12 +262,12 @@ class Programme(Layout):
                 continue
             kept = kept or t in saves
             if self.last_need(t, b, root) == i:
-                kept_bytes += p.size[t] if kept else 0
+                kept_bytes += p.size_units[t] if kept else 0
             else:
                 nxt.append((t, kept))
         for t in own:
             if self.last_need(t, b, root) == i:
-                kept_bytes += p.size[t] if t in saves else 0
+                kept_bytes += p.size_units[t] if t in saves else 0
             else:
                 nxt.append((t, t in saves))
         return max(fwd, bwd), kept_bytes, tuple(sorted(nxt))
@@ -288,22 +292,22 @@ class Programme(Layout):
         storages rather than the whole crossing (a scan keeps hundreds alive)."""
         p = self.p
         cross = dict(crossing)
-        cross_bytes = sum(p.size[t] for t in cross)
-        held_bytes = sum(p.size[t] for t, kept in crossing if kept is True)
+        cross_bytes = sum(p.size_units[t] for t in cross)
+        held_bytes = sum(p.size_units[t] for t, kept in crossing if kept is True)
         need, kept_bytes, stopped = 0, 0, None
         for i in range(c, stop):
             saves = p.saves[i]
             if i == last_save:
                 here = tuple(sorted(cross.items()))
                 more, kept_more, after = self.step(i, b, here, root, True, None, credit, ctx_stash)
-                kept_more += sum(p.size[t] for t, kept in after if kept is True)
+                kept_more += sum(p.size_units[t] for t, kept in after if kept is True)
                 # Rule 4: the nodes after the last save ran their backward before it
                 tail = self.bwd_max(i + 1, b)
                 stopped = max(need, kept_bytes + more, tail)
-            fwd = cross_bytes + self.own_bytes[i] + p.fwd_temp[i]
+            fwd = cross_bytes + self.own_bytes[i] + p.fwd_temp_units[i]
             # a recomputation runs with fork_rng's copy of the stash it restored (Rule 12)
-            fwd += p.held_fwd[i] if root else ctx_stash + self.trig_grad[b]  # Rule 4
-            bwd = (p.grad_at_bwd[i] if root else p.grad_rel(i, b)) + p.bwd_temp[i]
+            fwd += p.held_fwd_units[i] if root else ctx_stash + self.trig_grad[b]  # Rule 4
+            bwd = (p.grad_at_bwd_units[i] if root else p.grad_rel(i, b)) + p.bwd_temp_units[i]
             bwd += held_bytes + self.own_saved_bytes[i]
             if credit is not None and i < credit[0]:
                 bwd -= credit[1]
@@ -311,10 +315,10 @@ class Programme(Layout):
                 kept = cross.get(t)
                 if kept is None or kept is True:
                     continue
-                bwd += p.size[t]  # read here, and saved by this node
+                bwd += p.size_units[t]  # read here, and saved by this node
                 if kept is False:
                     cross[t] = True
-                    held_bytes += p.size[t]
+                    held_bytes += p.size_units[t]
             need = max(need, kept_bytes + max(fwd, bwd))
             if i == b - 1 and not root:  # the context's end: nothing crosses it
                 kept_bytes += held_bytes + self.own_saved_bytes[i]
@@ -325,17 +329,17 @@ class Programme(Layout):
                 if kept is None or kept == ARG or (root and p.is_output[t]):
                     continue
                 del cross[t]
-                cross_bytes -= p.size[t]
+                cross_bytes -= p.size_units[t]
                 if kept:
-                    kept_bytes += p.size[t]
-                    held_bytes -= p.size[t]
+                    kept_bytes += p.size_units[t]
+                    held_bytes -= p.size_units[t]
             for t in p.produced[i]:
                 if self.last_need(t, b, root) == i:
-                    kept_bytes += p.size[t] if t in saves else 0
+                    kept_bytes += p.size_units[t] if t in saves else 0
                 else:
                     cross[t] = t in saves
-                    cross_bytes += p.size[t]
-                    held_bytes += p.size[t] if t in saves else 0
+                    cross_bytes += p.size_units[t]
+                    held_bytes += p.size_units[t] if t in saves else 0
         return need, kept_bytes, tuple(sorted(cross.items())), stopped
 
     def value_at(
@@ -422,7 +426,7 @@ class Programme(Layout):
         run_s = p.prefix_time_s.__getitem__ if not root else lambda _: 0.0
         stopping = self.early_stop and not root
         last_save = self.last_save[b] if stopping else b
-        cross_bytes = sum(p.size[t] for t, _ in crossing)
+        cross_bytes = sum(p.size_units[t] for t, _ in crossing)
         ends = self.region_ends(c, b)
         peaks = self.fwd_peaks(c, b, root, ends[-1] if ends else c, ctx_stash)
         survivors = self.survivors(c, b, root, ends)
@@ -450,7 +454,7 @@ class Programme(Layout):
             inner_state = (c, j, inner_crossing, False, False, depth + 1)
             inner_state += (inner_credit, child_stash)
             inner_key = self.key(*inner_state)
-            inner_shift = held + (p.grad_after[j] if root else p.grad_after_rel(j, b))
+            inner_shift = held + (p.grad_after_units[j] if root else p.grad_after_rel(j, b))
             inner_shift += stash  # its own stash, to its backward's end
             if stopping and last_save < j:
                 # See simulate's Rule 5: the child is this recomputation's last save (its

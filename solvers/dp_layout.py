@@ -118,17 +118,17 @@ class Layout:
         self.dies_at: list[list[int]] = [[] for _ in range(p.n)]
         for t, last in enumerate(self.last_use):
             self.dies_at[last].append(t)
-        self.own_bytes = [sum(p.size[t] for t in own) for own in p.produced]
+        self.own_bytes = [sum(p.size_units[t] for t in own) for own in p.produced]
         # The storages nodes allocate, in node order, for :meth:`fwd_peaks`.
         order = [t for own in p.produced for t in own]
         self._t_producer = np.array([p.producer[t] for t in order], np.int64)
-        self._t_size = np.array([p.size[t] for t in order], np.int64)
+        self._t_size = np.array([p.size_units[t] for t in order], np.int64)
         self._t_last_use = np.array([self.last_use[t] for t in order], np.int64)
         self._t_output = np.array([p.is_output[t] for t in order], bool)
-        self._fwd_temp = np.array(p.fwd_temp, np.int64)
-        self._held_fwd = np.array(p.held_fwd, np.int64)
+        self._fwd_temp = np.array(p.fwd_temp_units, np.int64)
+        self._held_fwd = np.array(p.held_fwd_units, np.int64)
         self.own_saved_bytes = [
-            sum(p.size[t] for t in own if t in p.saves[i]) for i, own in enumerate(p.produced)
+            sum(p.size_units[t] for t in own if t in p.saves[i]) for i, own in enumerate(p.produced)
         ]
 
     # -- static pieces ---------------------------------------------------------------------
@@ -153,7 +153,7 @@ class Layout:
         if got is None:
             p = self.p
             got = max(
-                (p.grad_rel(i, b) + p.bwd_temp[i] - (q if i < f else 0) for i in range(c, b)),
+                (p.grad_rel(i, b) + p.bwd_temp_units[i] - (q if i < f else 0) for i in range(c, b)),
                 default=0,
             )
             self._bwd_max[(c, b, f, q)] = got = max(got, 0)
@@ -193,14 +193,14 @@ class Layout:
             need_at = ns[k] if k < len(ns) else never
             end = self.last_need(t, b, root)
             if kept != ARG and kept:
-                kept_bytes += p.size[t]
+                kept_bytes += p.size_units[t]
             if need_at >= upto and end >= upto:
                 unread.append((t, kept if kept == ARG else kept is True))
                 continue
             ss = self.sorted_savers[t]
             k = bisect.bisect_left(ss, c)
             save_at = ss[k] if k < len(ss) else never
-            out.append((t, kept, p.size[t], need_at, save_at, end))
+            out.append((t, kept, p.size_units[t], need_at, save_at, end))
         return kept_bytes, tuple(unread), out
 
     def child_args(
@@ -279,11 +279,11 @@ class Layout:
         alive, fwd, ends = 0, 0, {}
         for i in range(c, j):
             for t in p.produced[i]:
-                alive += p.size[t]
+                alive += p.size_units[t]
                 if t not in cached_set:
                     end = self.last_need(t, b, root)
-                    ends[end] = ends.get(end, 0) + p.size[t]
-            fwd = max(fwd, alive + p.fwd_temp[i] + p.held_fwd[i] + p.stash_of(c, j))
+                    ends[end] = ends.get(end, 0) + p.size_units[t]
+            fwd = max(fwd, alive + p.fwd_temp_units[i] + p.held_fwd_units[i] + p.stash_of(c, j))
             alive -= ends.pop(i, 0)
         # Recomputation (kept nodes skipped, their cache handed back as it reaches them: Rule
         # 6, up to where Rule 5 stops it) and backward, relative to the gradients then.
@@ -295,14 +295,14 @@ class Layout:
         stash = p.stash_of(c, j)  # Rule 12
         frame = (first, args + stash) if first < j else None  # Rule 2
         inner = region_peak(p, c, j, keep_set, reached, stash, trigger, frame)
-        inner -= p.grad_after[j]
+        inner -= p.grad_after_units[j]
         own_kept, own_nxt = 0, []
         for i in range(c, j):
             for t in p.produced[i]:
                 if self.last_need(t, b, root) >= j:
                     own_nxt.append((t, t in cached_set))
                 elif t in cached_set:
-                    own_kept += p.size[t]  # cached until the region's backward ends
+                    own_kept += p.size_units[t]  # cached until the region's backward ends
         cost = sum(p.time_s[i] for i in range(c, j) if i not in keep_set)
         cost += p.overhead_s(c, j, "selective")
         got = (fwd, inner, own_kept, tuple(own_nxt), cost)
@@ -331,7 +331,7 @@ class Layout:
         if got is None:
             p = self.p
             got = self._sigs[(t, c, b)] = (
-                p.size[t],
+                p.size_units[t],
                 tuple(u - b for u in p.needers[t] if c <= u < b),
                 tuple(sorted(s - b for s in p.savers[t] if c <= s < b)),
                 bool(p.needers[t]) and p.needers[t][-1] >= b,  # needed past b: see last_need
@@ -356,8 +356,8 @@ class Layout:
         nxt = self._suffix[(i, b)]
         for i in reversed(todo):
             desc = (
-                p.fwd_temp[i],
-                p.bwd_temp[i],
+                p.fwd_temp_units[i],
+                p.bwd_temp_units[i],
                 p.time_s[i],
                 p.grad_rel(i, b),
                 p.grad_after_rel(i, b),
@@ -365,7 +365,7 @@ class Layout:
                 self.is_bound[i],
                 self._spans_at(i, b),
                 self.early_stop and p.rule5_saves[i],
-                bool(p.stash) and p.random[i],  # Rule 12: its regions stash
+                bool(p.stash_units) and p.random[i],  # Rule 12: its regions stash
                 tuple(self._tensor_sig(t, i, b) for t in p.produced[i]),
                 nxt,
             )

@@ -4,8 +4,8 @@ prices a region with without replaying it, each headed by the rule it is (the ru
 numbered in ``solvers/simulate.py``, whose replay uses the same pieces).
 
 Byte counts in a :class:`Prices` are in grid units of ``unit_bytes`` bytes each, rounded up so
-that the rounded model never under-counts; fields ending in ``_raw`` or ``_bytes`` are bytes,
-fields ending in ``_s`` seconds.
+that the rounded model never under-counts: fields ending in ``_units`` are such units, those
+ending in ``_bytes`` bytes, those ending in ``_s`` seconds.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from planner.solvers.op_classes import is_matmul, out_bytes, worth_keeping
 @dataclass(frozen=True)
 class Prices:
     """Per-node and per-tensor numbers dp's programme and ilp's rows read, in grid units of
-    ``unit_bytes`` (fields ending ``_raw`` or ``_bytes``: bytes), computed once per graph."""
+    ``unit_bytes`` (fields ending ``_bytes``: bytes), computed once per graph."""
 
     n: int
     unit_bytes: int
-    size: tuple[int, ...]
+    size_units: tuple[int, ...]
     producer: tuple[int, ...]
     needers: tuple[tuple[int, ...], ...]  # sorted forward readers and savers after the producer
     savers: tuple[tuple[int, ...], ...]
@@ -35,16 +35,20 @@ class Prices:
     saves: tuple[frozenset[int], ...]  # tensors each node saves for backward
     time_s: tuple[float, ...]  # each node's recomputation (CostGraph.node_recompute_time_s)
     prefix_time_s: tuple[float, ...]
-    fwd_temp: tuple[int, ...]
-    bwd_temp: tuple[int, ...]
-    grad_at_bwd: tuple[int, ...]  # gradient + parameter-gradient bytes at node i's backward
-    grad_after: tuple[int, ...]  # the same once node i's backward is done (index n: none done)
-    held_fwd: tuple[int, ...]  # bytes held to the end of the step, alive at node i's forward
+    fwd_temp_units: tuple[int, ...]
+    bwd_temp_units: tuple[int, ...]
+    # gradient + parameter-gradient bytes at node i's backward
+    grad_at_bwd_units: tuple[int, ...]
+    # the same once node i's backward is done (index n: none done)
+    grad_after_units: tuple[int, ...]
+    # bytes held to the end of the step, alive at node i's forward
+    held_fwd_units: tuple[int, ...]
     keepable: tuple[bool, ...]  # outputs a selective region would keep (solvers/selective.py)
     matmul: tuple[bool, ...]  # every matmul's, attention scores too (SAC's "save matmuls")
     bounds: tuple[int, ...]  # cuts a region boundary may use (solvers/cuts.py region_bounds)
-    grad_at_raw: tuple[int, ...]  # grad_at_bwd and grad_after in bytes, for differences
-    grad_after_raw: tuple[int, ...]
+    # grad_at_bwd_units and grad_after_units in bytes, for differences
+    grad_at_bytes: tuple[int, ...]
+    grad_after_bytes: tuple[int, ...]
     # seconds a region of this kind over [start, stop) adds beyond its recomputation
     overhead_s: Callable[[int, int, str], float]
     # See simulate's Rule 5: the nodes whose saves a recomputation counts (None: it runs to the
@@ -60,7 +64,7 @@ class Prices:
     # region's start to its backward's end, plus fork_rng's copy at each forward event of its
     # recomputation; nested calls' stashes in the first forward are not carried to the root,
     # and a recomputation's nested stashes are held past it: not exact there.
-    stash: int = 0
+    stash_units: int = 0
     # whether a region over [start, stop) preserves its RNG state (CostGraph's)
     preserves: Callable[[int, int], bool] = lambda start, stop: True
     random: tuple[bool, ...] = ()  # per node: it draws random numbers
@@ -68,16 +72,16 @@ class Prices:
     def stash_of(self, start: int, stop: int) -> int:
         """Units a checkpoint over nodes [start, stop) stashes: ``stash`` when it preserves its
         RNG state (a node in it draws random numbers), else 0."""
-        return self.stash if self.stash and self.preserves(start, stop) else 0
+        return self.stash_units if self.stash_units and self.preserves(start, stop) else 0
 
     def grad_rel(self, at: int, b: int) -> int:
         """Units of gradient bytes at node ``at``'s backward above those once ``b``'s is done.
         The difference is rounded, not the two ends: equal blocks get equal numbers."""
-        return -(-(self.grad_at_raw[at] - self.grad_after_raw[b]) // self.unit_bytes)
+        return -(-(self.grad_at_bytes[at] - self.grad_after_bytes[b]) // self.unit_bytes)
 
     def grad_after_rel(self, j: int, b: int) -> int:
         """Units of gradient bytes once ``j``'s backward is done above those after ``b``'s."""
-        return -(-(self.grad_after_raw[j] - self.grad_after_raw[b]) // self.unit_bytes)
+        return -(-(self.grad_after_bytes[j] - self.grad_after_bytes[b]) // self.unit_bytes)
 
 
 def prices(graph: CostGraph, unit_bytes: int = 1) -> Prices:
@@ -122,7 +126,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> Prices:
     return Prices(
         n=n,
         unit_bytes=unit_bytes,
-        size=tuple(units(t.size_bytes) for t in graph.tensors),
+        size_units=tuple(units(t.size_bytes) for t in graph.tensors),
         producer=tuple(t.producer for t in graph.tensors),
         needers=tuple(
             tuple(sorted({u for u in (*t.users, *t.saved_by) if u > t.producer}))
@@ -134,16 +138,16 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> Prices:
         saves=tuple(frozenset(s) for s in saves),
         time_s=tuple(times),
         prefix_time_s=tuple(prefix),
-        fwd_temp=tuple(units(nd.fwd_temp_bytes) for nd in graph.nodes),
-        bwd_temp=tuple(units(nd.bwd_temp_bytes) for nd in graph.nodes),
-        grad_at_bwd=tuple(units(g + total) for g in grad_at),
-        grad_after=tuple(units(g + total) for g in grad_after),
-        held_fwd=tuple(units(h) for h in held_prefix),
+        fwd_temp_units=tuple(units(nd.fwd_temp_bytes) for nd in graph.nodes),
+        bwd_temp_units=tuple(units(nd.bwd_temp_bytes) for nd in graph.nodes),
+        grad_at_bwd_units=tuple(units(g + total) for g in grad_at),
+        grad_after_units=tuple(units(g + total) for g in grad_after),
+        held_fwd_units=tuple(units(h) for h in held_prefix),
         keepable=tuple(worth_keeping(graph, i, out) for i in range(n)),
         matmul=tuple(is_matmul(graph, i) for i in range(n)),
         bounds=tuple(region_bounds(graph)),
-        grad_at_raw=tuple(g + total for g in grad_at),
-        grad_after_raw=tuple(g + total for g in grad_after),
+        grad_at_bytes=tuple(g + total for g in grad_at),
+        grad_after_bytes=tuple(g + total for g in grad_after),
         overhead_s=graph.checkpoint_overhead_s,
         rule5_saves=rule5_saves(graph),
         after_last_save=tuple(t.after_last_save for t in graph.tensors),
@@ -151,7 +155,7 @@ def prices(graph: CostGraph, unit_bytes: int = 1) -> Prices:
         fwd_prefix_s=tuple(fwd_prefix),
         offload_bytes_per_s=graph.offload_bytes_per_s,
         offload_overlap=graph.offload_overlap,
-        stash=units(graph.region_state_bytes),
+        stash_units=units(graph.region_state_bytes),
         preserves=graph.preserves_rng_state,
         random=tuple(nd.draws_random for nd in graph.nodes),
     )
@@ -281,15 +285,16 @@ class RegionPrices(Protocol):
     """Per-storage and per-node numbers (bytes, or a solver's rounded units) that
     :func:`region_peak` reads; :func:`prices` builds them."""
 
-    size: Sequence[int]
+    size_units: Sequence[int]
     producer: Sequence[int]
     produced: Sequence[Sequence[int]]  # storages each node allocates (held_to_end ones aside)
     needers: Sequence[Sequence[int]]  # sorted forward readers and savers after the producer
     savers: Sequence[Sequence[int]]
-    fwd_temp: Sequence[int]
-    bwd_temp: Sequence[int]
-    grad_at_bwd: Sequence[int]  # gradient bytes at node i's backward (Rule 4)
-    grad_after: Sequence[int]  # the same once node i's backward is done (index n: none done)
+    fwd_temp_units: Sequence[int]
+    bwd_temp_units: Sequence[int]
+    grad_at_bwd_units: Sequence[int]  # gradient bytes at node i's backward (Rule 4)
+    # the same once node i's backward is done (index n: none done)
+    grad_after_units: Sequence[int]
     after_last_save: Sequence[bool]  # per storage: allocated after its producer's last save
 
 
@@ -335,33 +340,33 @@ def region_peak(
         for t in inside
     }
     held_whole = {t for i in keep if start <= i < stop and i >= reached for t in p.produced[i]}
-    fwd_peak = live = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
+    fwd_peak = live = sum(p.size_units[t] for i in keep if start <= i < stop for t in p.produced[i])
     ends: dict[int, int] = {}
     for i in range(start, recomputed):  # what a reader past the stop reads stays (Rule 5)
         made = [t for t in p.produced[i] if not (partial and i == trigger and p.after_last_save[t])]
         if i not in keep:
             for t in made:
-                live += p.size[t]
-            fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
+                live += p.size_units[t]
+            fwd_peak = max(fwd_peak, live + p.fwd_temp_units[i])
         for t in made:
             if not saved_in[t] and t not in held_whole:  # else it stays for the backward
-                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
+                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size_units[t]
         live -= ends.pop(i, 0)
     # At node i's backward the region holds what something at or before i saves (Rule 1).
     from_node = [0] * (stop - start)
     for t in inside:
         if t in held_whole:
-            from_node[0] += p.size[t]
+            from_node[0] += p.size_units[t]
         elif saved_in[t]:
-            from_node[min(saved_in[t]) - start] += p.size[t]
-    cached = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
+            from_node[min(saved_in[t]) - start] += p.size_units[t]
+    cached = sum(p.size_units[t] for i in keep if start <= i < stop for t in p.produced[i])
     f, q = frame if frame is not None else (start, 0)
     bwd_peak, held = 0, 0
     for i in range(start, stop):
         held += from_node[i - start]
         # Rule 4: a node after the trigger runs its backward before the recomputation
         alive = held if i <= trigger else cached
-        event = p.grad_at_bwd[i] + p.bwd_temp[i] + alive
+        event = p.grad_at_bwd_units[i] + p.bwd_temp_units[i] + alive
         if i < f:  # Rule 2: after the frame has died
             if q is None:
                 continue
@@ -369,4 +374,4 @@ def region_peak(
         bwd_peak = max(bwd_peak, event)
     if recomputed <= start:  # nothing saves, so nothing unpacks and nothing recomputes
         return bwd_peak
-    return max(bwd_peak, p.grad_after[trigger + 1] + fwd_peak + recompute_extra)
+    return max(bwd_peak, p.grad_after_units[trigger + 1] + fwd_peak + recompute_extra)
