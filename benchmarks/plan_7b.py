@@ -334,7 +334,7 @@ def fsdp_rows(
     from planner.inplace_form import build_inplace_plan, price_inplace
     from planner.solvers.auto import AutoOptions
     from planner.solvers.costgraph import Region, Schedule
-    from planner.solvers.dp import DPOptions
+    from planner.solvers.dp_levels import DPOptions
     from planner.solvers.errors import InfeasibleBudgetError
     from planner.solvers.ilp import ILPOptions
     from planner.solvers.registry import get_solver

@@ -23,7 +23,7 @@ from planner.devices import profile_of_model
 from planner.passes.capture import capture
 from planner.passes.estimate import estimate
 from planner.solvers.costgraph import Schedule
-from planner.solvers.dp import least_memory_schedule, solve_dp
+from planner.solvers.dp_search import least_memory_schedule, solve_dp
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import simulate

@@ -46,8 +46,8 @@ CLEARED: tuple[ProcessCache, ...] = (
     ProcessCache("planner.calibration", "_PROCESS", "calibrations read or measured"),
     ProcessCache("planner.pricing_cache", "_PRICED", "the last few models' pricings"),
     ProcessCache("planner.devices", "_MEASURED", "the device's measured rates"),
-    ProcessCache("planner.solvers.dp", "_SOLVED_CACHE", "dp's solved levels"),
-    ProcessCache("planner.solvers.dp", "_LEAST_CACHE", "dp's least feasible budgets"),
+    ProcessCache("planner.solvers.dp_search", "_SOLVED_CACHE", "dp's solved levels"),
+    ProcessCache("planner.solvers.dp_search", "_LEAST_CACHE", "dp's least feasible budgets"),
 )
 
 # Module-level tables that are not caches of what was measured or solved, and stay.

@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 from planner.solvers.costgraph import CostGraph, Objective, Schedule
-from planner.solvers.dp import DPOptions
+from planner.solvers.dp_levels import DPOptions
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import solve
 

@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from planner.solvers.basic import UniformOptions
 from planner.solvers.costgraph import CostGraph, Schedule
-from planner.solvers.dp import LEVEL_GROWTH, DPOptions, is_staged
+from planner.solvers.dp_levels import LEVEL_GROWTH, DPOptions, is_staged
 from planner.solvers.errors import InfeasibleBudgetError, size_text
 from planner.solvers.greedy import GreedyOptions
 from planner.solvers.ilp import ILPOptions

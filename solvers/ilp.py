@@ -28,7 +28,7 @@ Whether it keeps a storage is the same disjunction (what it saves of its own sto
 host, its arguments stay on the device to its end), and it runs no recomputation: node i's
 backward inside it is the unchecked row plus the bytes i brings back from host, with the
 region's arguments kept to its end (off unless ``x[R]``). It costs the transfer time it
-exposes (``simulate.offload_time_s``), not recomputation.
+exposes (``prices.offload_time_s``), not recomputation.
 
 Backends: ``scipy.optimize.milp`` (HiGHS, default) and pulp (CBC). A time limit stops the
 search; the gap is reported in Schedule.gap, and on a timeout without a solution ``dp`` answers.
@@ -52,20 +52,13 @@ import numpy as np
 from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import allowed_cuts, region_bounds
-from planner.solvers.dp import (
-    DEFAULT_COARSE_SPAN,
-    DPOptions,
-    coarse_cut_points,
-    solve_dp,
-)
+from planner.solvers.dp_levels import DEFAULT_COARSE_SPAN, DPOptions, coarse_cut_points
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.ilp_rows import Model, build
+from planner.solvers.prices import frame_node, rule5_saves
 from planner.solvers.registry import SolverOptions, register, time_limit_text
-from planner.solvers.simulate import (
-    frame_node,
-    rule5_saves,
-    simulate,
-)
+from planner.solvers.simulate import simulate
 
 FULL_NODES = 40  # up to this many nodes every interval is a candidate
 # Short spans on large graphs: half dp's, so the MILP on GPT-ref (about 1,200 candidates)

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from planner.solvers.costgraph import CostGraph, Region
-from planner.solvers.dp import prices
-from planner.solvers.simulate import (
+from planner.solvers.prices import (
+    Prices,
     frame_node,
     offload_fetch_bytes,
     offload_time_s,
+    prices,
     region_peak,
     trigger_node,
 )
-
-if TYPE_CHECKING:
-    from planner.solvers.dp import _Prices as Prices
 
 
 @dataclass
@@ -143,12 +140,12 @@ class _Build:
     def reasons(self) -> None:
         """Each storage's reasons to be kept, and its "kept by then" variables g[t][q]."""
         p, mdl = self.p, self.mdl
-        n_t = len(p.size)
+        n_t = len(p.size_units)
         self.points = [[] for _ in range(n_t)]
         self.g = [[] for _ in range(n_t)]
         self.last = [0] * n_t
         for t in range(n_t):
-            if not p.size[t] or t not in p.produced[p.producer[t]]:
+            if not p.size_units[t] or t not in p.produced[p.producer[t]]:
                 continue  # empty, or held to the end of the step (priced with the gradients)
             prod = p.producer[t]
             savers = set(p.savers[t])
@@ -183,19 +180,19 @@ class _Build:
         fin = self.fin
         mdl.row({fin[0]: 1.0}, lo=0.0, hi=0.0)
         ending: list[list[int]] = [[] for _ in range(n)]
-        for t in range(len(p.size)):
+        for t in range(len(p.size_units)):
             if g[t]:
                 ending[self.last[t]].append(t)
         for k in range(n):
             coef = {fin[k + 1]: 1.0, fin[k]: -1.0}
             for t in ending[k]:
-                coef[g[t][-1]] = coef.get(g[t][-1], 0.0) - p.size[t]
+                coef[g[t][-1]] = coef.get(g[t][-1], 0.0) - p.size_units[t]
             mdl.row(coef, lo=0.0, hi=0.0)
         self.fin_max = [0] * (n + 1)  # fin[k] when everything is kept
         for k in range(n):
-            self.fin_max[k + 1] = self.fin_max[k] + sum(p.size[t] for t in ending[k])
+            self.fin_max[k + 1] = self.fin_max[k] + sum(p.size_units[t] for t in ending[k])
         self.crossing = [[] for _ in range(n + 1)]
-        for t in range(len(p.size)):
+        for t in range(len(p.size_units)):
             if g[t]:
                 for k in range(p.producer[t] + 1, self.last[t] + 1):
                     self.crossing[k].append(t)
@@ -203,13 +200,13 @@ class _Build:
     def forward_rows(self) -> None:
         """Forward events (the first forward; regions do not change it but for what they
         keep)."""
-        p, n, n_t = self.p, self.p.n, len(self.p.size)
+        p, n, n_t = self.p, self.p.n, len(self.p.size_units)
         alive = [0] * (n + 1)
         for t in range(n_t):
             if t in p.produced[p.producer[t]]:
                 end = n if p.is_output[t] else self.last[t]
-                alive[p.producer[t]] += p.size[t]
-                alive[end + 1 if end < n else n] -= p.size[t]
+                alive[p.producer[t]] += p.size_units[t]
+                alive[end + 1 if end < n else n] -= p.size_units[t]
         running = 0
         outputs = [t for t in range(n_t) if p.is_output[t] and self.g[t]]
         for i in range(n):
@@ -217,8 +214,10 @@ class _Build:
             coef = {self.fin[i]: 1.0}
             for t in outputs:  # outputs are already counted as alive to the end of forward
                 if self.last[t] < i:
-                    coef[self.g[t][-1]] = coef.get(self.g[t][-1], 0.0) - p.size[t]
-            self.mdl.row(coef, hi=self.budget_bytes - running - p.fwd_temp[i] - p.held_fwd[i])
+                    coef[self.g[t][-1]] = coef.get(self.g[t][-1], 0.0) - p.size_units[t]
+            self.mdl.row(
+                coef, hi=self.budget_bytes - running - p.fwd_temp_units[i] - p.held_fwd_units[i]
+            )
 
     def kept_bytes(self, k: int, at: Callable[[int], int | None]) -> tuple[dict, int]:
         """fin[k] plus the storages crossing node k kept by node ``at(t)`` (None: left out),
@@ -228,18 +227,18 @@ class _Build:
             when = at(t)
             v = None if when is None else self.kept_by(t, when)
             if v is not None:
-                coef[v] = coef.get(v, 0.0) + self.p.size[t]
+                coef[v] = coef.get(v, 0.0) + self.p.size_units[t]
         return coef, self.fin_max[k] + sum(c for v, c in coef.items() if v != self.fin[k])
 
     def backward_rows(self) -> None:
         """Backward of an unchecked node i."""
         p, budget = self.p, self.budget_bytes
         for i in range(p.n):
-            const = p.grad_at_bwd[i] + p.bwd_temp[i]
+            const = p.grad_at_bwd_units[i] + p.bwd_temp_units[i]
             coef, _ = self.kept_bytes(i + 1, lambda t, i=i: i + 1)
             # The row's largest possible left side, so big-M is no bigger than it must be (a
             # loose big-M makes the LP relaxation, and so branch and bound, weak).
-            most = self.fin_max[i + 1] + sum(p.size[t] for t in self.crossing[i + 1])
+            most = self.fin_max[i + 1] + sum(p.size_units[t] for t in self.crossing[i + 1])
             big_m = max(0.0, most - (budget - const))
             if big_m == 0.0:
                 continue  # never binding
@@ -257,14 +256,14 @@ class _Build:
             if r.kind != "offload":
                 continue
             for i in range(r.start, r.stop):
-                const = p.grad_at_bwd[i] + p.bwd_temp[i] + self.fetched[k].get(i, 0)
+                const = p.grad_at_bwd_units[i] + p.bwd_temp_units[i] + self.fetched[k].get(i, 0)
                 if const > budget:
                     self.mdl.ub[k] = 0.0
                     break
                 coef, _ = self.kept_bytes(
                     i + 1, lambda t, r=r, i=i: r.stop if p.producer[t] < r.start else i + 1
                 )
-                most = self.fin_max[i + 1] + sum(p.size[t] for t in self.crossing[i + 1])
+                most = self.fin_max[i + 1] + sum(p.size_units[t] for t in self.crossing[i + 1])
                 big_m = max(0.0, most - (budget - const))
                 if big_m > 0.0:
                     coef[k] = big_m
@@ -287,7 +286,9 @@ class _Build:
             first = frame_node(p.rule5_saves, r.start, r.stop)
             own = region_peak(p, r.start, r.stop, trigger=trigger, frame=(first, None))
             if first > r.start:
-                lead = max(p.grad_at_bwd[i] + p.bwd_temp[i] for i in range(r.start, first))
+                lead = max(
+                    p.grad_at_bwd_units[i] + p.bwd_temp_units[i] for i in range(r.start, first)
+                )
                 if lead > budget:
                     mdl.ub[k] = 0.0
                     continue

@@ -17,6 +17,8 @@ Tags this table gives (beside the estimators' own: ``attention``, ``skip``, ``ra
 
 from __future__ import annotations
 
+from planner.solvers.costgraph import CostGraph, Node
+
 MATMUL = "matmul"
 WEIGHT_MATMUL = "weight_matmul"
 FUSED_ATTENTION = "fused_attention"
@@ -70,3 +72,30 @@ def short_op_name(op: str) -> str:
     """``aten.addmm.default`` -> ``addmm``: the table's key for a node's ``op``."""
     parts = op.split(".")
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def out_bytes(graph: CostGraph) -> list[int]:
+    out = [0] * len(graph.nodes)
+    for t in graph.tensors:
+        out[t.producer] += t.size_bytes
+    return out
+
+
+def is_matmul(graph: CostGraph, i: int) -> bool:
+    """A matmul, convolution or fused attention, whatever its output's size (its tags, from
+    ``solvers/op_classes.py``)."""
+    return MATMUL in graph.nodes[i].tags
+
+
+def worth_keeping(graph: CostGraph, i: int, produced: list[int]) -> bool:
+    """A weight matmul or convolution, or an activation matmul that does not blow up the size
+    (attention's q @ k^T is S x S: recomputed; att @ v is not: kept)."""
+    node: Node = graph.nodes[i]
+    if "attention" in node.tags and FUSED_ATTENTION not in node.tags:
+        return False
+    if WEIGHT_MATMUL in node.tags:
+        return True
+    if MATMUL in node.tags:
+        read = sum(produced[j] for j in node.inputs)
+        return produced[i] <= max(read, 1)
+    return False

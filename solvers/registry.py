@@ -129,7 +129,7 @@ _MODULES = (
     "planner.solvers.revolve",
     "planner.solvers.selective",
     "planner.solvers.sac",
-    "planner.solvers.dp",
+    "planner.solvers.dp_search",
     "planner.solvers.ilp",
     "planner.solvers.auto",
 )

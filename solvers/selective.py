@@ -12,39 +12,13 @@ from dataclasses import dataclass
 
 from planner.solvers.blocks import require_blocks
 from planner.solvers.common import finish
-from planner.solvers.costgraph import CostGraph, Node, Region, Schedule
+from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.op_classes import FUSED_ATTENTION, MATMUL, WEIGHT_MATMUL
+from planner.solvers.op_classes import is_matmul as is_matmul  # its home before op_classes
+from planner.solvers.op_classes import out_bytes, worth_keeping
 from planner.solvers.registry import SolverOptions, register
 from planner.solvers.simulate import simulate
-
-
-def out_bytes(graph: CostGraph) -> list[int]:
-    out = [0] * len(graph.nodes)
-    for t in graph.tensors:
-        out[t.producer] += t.size_bytes
-    return out
-
-
-def is_matmul(graph: CostGraph, i: int) -> bool:
-    """A matmul, convolution or fused attention, whatever its output's size (its tags, from
-    ``solvers/op_classes.py``)."""
-    return MATMUL in graph.nodes[i].tags
-
-
-def worth_keeping(graph: CostGraph, i: int, produced: list[int]) -> bool:
-    """A weight matmul or convolution, or an activation matmul that does not blow up the size
-    (attention's q @ k^T is S x S: recomputed; att @ v is not: kept)."""
-    node: Node = graph.nodes[i]
-    if "attention" in node.tags and FUSED_ATTENTION not in node.tags:
-        return False
-    if WEIGHT_MATMUL in node.tags:
-        return True
-    if MATMUL in node.tags:
-        read = sum(produced[j] for j in node.inputs)
-        return produced[i] <= max(read, 1)
-    return False
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ Rule 9. A region whose nodes write model buffers (``Node.state_bytes``: BatchNor
         -- except the part a node of the region's own saves for backward
         (``Node.state_saved_bytes``: BatchNorm saves the running statistics it ran on, so the
         recomputation's copies), which lives until that node's backward.
-Rule 10. Every region boundary is a cut that in-place writes allow (``solvers/cuts.py``).
+Rule 10. Every region boundary is a cut that in-place writes allow (``solvers/cuts.py``;
+        checked with the rest of a schedule's shape by ``solvers/validate.py``).
 Rule 11. ``CostGraph.buffer_changes`` (FSDP2's per-rank buffers) apply at their fixed points of
         the first forward and of backward, never during a recomputation: a change after node
         i's backward comes before the recomputation of a region ending at node i - 1 (FSDP2
@@ -109,12 +110,18 @@ Peak is in bytes above the step's starting baseline (parameters and inputs are n
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from planner.solvers.costgraph import BufferChange, CostGraph, Region, Schedule, Tensor
-from planner.solvers.cuts import forbidden_cuts
+from planner.solvers.prices import (
+    frame_node,
+    gradient_bytes,
+    offload_time_s,
+    rule5_saves,
+    stop_node,
+    trigger_node,
+)
+from planner.solvers.validate import validate
 
 ROOT = Region(0, 0, depth=-1)
 
@@ -140,64 +147,6 @@ class Simulation:
     # + each region's own bookkeeping (CostGraph.region_overhead_time_s): ``overhead_time_s``.
     step_time_s: float = 0.0
     overhead_time_s: float = 0.0
-
-
-class InvalidScheduleError(ValueError):
-    """A schedule whose regions are not a laminar family of intervals inside the graph."""
-
-
-def validate(graph: CostGraph, schedule: Schedule) -> None:
-    n = len(graph.nodes)
-    regions = sorted(schedule.regions, key=lambda r: (r.start, -r.stop))
-    forbidden = forbidden_cuts(graph)
-    for r in regions:
-        if not 0 <= r.start < r.stop <= n:
-            raise InvalidScheduleError(f"region {r} lies outside nodes 0..{n}")
-        if graph.region_spans is not None and (r.start, r.stop) not in graph.region_spans:
-            raise InvalidScheduleError(
-                f"region {r} is not one of the graph's region spans (one module call each, for "
-                f"a plan applied in place); solvers 'auto', 'dp' and 'ilp' keep to them"
-            )
-        for c in (r.start, r.stop):
-            if c in forbidden:
-                raise InvalidScheduleError(
-                    f"region {r} has a boundary at cut {c}, before node {graph.nodes[c].name}: "
-                    f"a storage produced before it is written in place at or after it"
-                )
-    enclosing: list[Region] = []  # sorted by (start, -stop): the chain of regions around r
-    for r in regions:
-        while enclosing and enclosing[-1].stop <= r.start:
-            enclosing.pop()
-        if enclosing and enclosing[-1] == r:
-            raise InvalidScheduleError(f"region {r} appears twice")
-        if enclosing and r.stop > enclosing[-1].stop:
-            raise InvalidScheduleError(f"regions {enclosing[-1]} and {r} overlap without nesting")
-        enclosing.append(r)
-
-
-def gradient_bytes(graph: CostGraph) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Bytes node i's backward allocates before its peak, and frees after it.
-
-    Backward visits nodes in reverse order whatever the schedule, so gradient buffers depend on
-    position only: ``alloc[i]`` (activation gradients it creates plus its parameter gradients)
-    is added before node i's backward event, ``free[i]`` removed after it. From
-    ``graph.grad_buffers`` when the estimator observed them; else one gradient of
-    ``Tensor.grad_bytes`` per storage, created at its last forward user's backward and freed at
-    its producer's. Solvers that price backward themselves should use this, not re-derive it.
-    """
-    n = len(graph.nodes)
-    alloc = [nd.param_grad_bytes for nd in graph.nodes]
-    free = [0] * n
-    if graph.grad_buffers is not None:
-        for b in graph.grad_buffers:
-            alloc[b.alloc_node] += b.size_bytes
-            free[b.free_node] += b.size_bytes
-    else:
-        for t in graph.tensors:
-            if t.grad_bytes and t.users:
-                alloc[max(t.users)] += t.grad_bytes
-                free[t.producer] += t.grad_bytes
-    return tuple(alloc), tuple(free)
 
 
 class _Replay:
@@ -603,186 +552,6 @@ class _Replay:
         if self.saves is None:
             return region.stop - 1
         return trigger_node(self.saves, region.start, region.stop)
-
-
-def offload_fetch_bytes(graph: CostGraph, start: int, stop: int) -> dict[int, int]:
-    """See Rule 7: the bytes each node's backward brings back from host when nodes [start,
-    stop) form a top-level offload region with nothing nested in it -- every storage made
-    inside the region, once for each node inside it that saves it. Their sum is what the
-    region sends (``Simulation.offloaded``): the closed form a solver prices the region with."""
-    fetched: dict[int, int] = {}
-    for t in graph.tensors:
-        if start <= t.producer < stop:
-            for s in set(t.saved_by):
-                if start <= s < stop:
-                    fetched[s] = fetched.get(s, 0) + t.size_bytes
-    return fetched
-
-
-def offload_time_s(graph: CostGraph, start: int, stop: int, offloaded_bytes: float) -> float:
-    """See Rule 7: the step time an offload region over nodes [start, stop) that sends
-    ``offloaded_bytes`` to host and back adds, once its copies out hide behind up to
-    ``graph.offload_overlap`` of its own forward compute."""
-    fwd_s = sum(graph.node_time_s(i) for i in range(start, stop))
-    return exposed_transfer_s(
-        offloaded_bytes, fwd_s, graph.offload_bytes_per_s, graph.offload_overlap
-    )
-
-
-def exposed_transfer_s(
-    offloaded_bytes: float, fwd_s: float, bytes_per_s: float, overlap: float
-) -> float:
-    """See Rule 7: the exposed time of ``offloaded_bytes`` sent to host at ``bytes_per_s``
-    during ``fwd_s`` of compute, ``overlap`` of it hidden, and brought back as each storage's
-    backward needs it (nothing ahead of that, so the copy back is all exposed)."""
-    each_way_s = offloaded_bytes / bytes_per_s
-    return max(0.0, each_way_s - overlap * fwd_s) + each_way_s
-
-
-def rule5_saves(graph: CostGraph) -> tuple[bool, ...] | None:
-    """See Rule 5: which nodes' forwards save something for backward, the saves a
-    recomputation counts to know where it stops; None when the graph does not say (hand-built
-    graphs), which are then recomputed to each region's end (never under-counting)."""
-    saves = tuple(nd.saves_for_backward for nd in graph.nodes)
-    return saves if any(saves) else None
-
-
-def trigger_node(saves: Sequence[bool], start: int, stop: int) -> int:
-    """See Rule 4: the node in [start, stop) whose backward first unpacks what a region over
-    it saved, so recomputes it: its last node that saves for backward, nested regions' nodes
-    included (``start - 1`` when none does: nothing unpacks, the backward of every node runs as
-    if the region were not there)."""
-    for i in range(stop - 1, start - 1, -1):
-        if saves[i]:
-            return i
-    return start - 1
-
-
-def frame_node(saves: Sequence[bool] | None, start: int, stop: int) -> int:
-    """See Rule 2: the node in [start, stop) whose backward releases the first-forward frame
-    of a region over it (its arguments): its first node that saves for backward, nested
-    regions' nodes included; ``start - 1`` when none does (no frame outlives its forward).
-    Graphs without save flags (``saves`` None): ``start``, the region's last backward."""
-    if saves is None:
-        return start
-    for i in range(start, stop):
-        if saves[i]:
-            return i
-    return start - 1
-
-
-def stop_node(graph: CostGraph, region: Region, children: list[Region]) -> tuple[int, bool]:
-    """See Rule 5: where ``region``'s recomputation stops, given the regions nested one level
-    inside it (``children``): (its last node, whether that node stops part-way, after its last
-    save). The last save is either a node of the region's own whose forward saves anything for
-    backward, or a nested checkpoint's arguments, which its parent saves as the nested region
-    begins (so the recomputation stops before that nested region runs; nested regions before it
-    run whole). (-1, False) when nothing saves."""
-    owner = {i: r for r in children for i in range(r.start, r.stop)}
-    last: tuple[int, bool] = (-1, False)
-    for i in range(region.start, region.stop):
-        inner = owner.get(i)
-        if inner is not None and inner.kind != "offload":
-            if i == inner.start:
-                last = (i - 1, False)  # stops as the nested region saves its inputs
-        elif graph.nodes[i].saves_for_backward:
-            # an offload region (not a checkpoint) reached is replayed whole
-            last = (i, True) if inner is None else (inner.stop - 1, False)
-    return last
-
-
-class RegionPrices(Protocol):
-    """Per-storage and per-node numbers (bytes, or a solver's rounded units) that
-    :func:`region_peak` reads; ``planner.solvers.dp.prices`` builds them."""
-
-    size: Sequence[int]
-    producer: Sequence[int]
-    produced: Sequence[Sequence[int]]  # storages each node allocates (held_to_end ones aside)
-    needers: Sequence[Sequence[int]]  # sorted forward readers and savers after the producer
-    savers: Sequence[Sequence[int]]
-    fwd_temp: Sequence[int]
-    bwd_temp: Sequence[int]
-    grad_at_bwd: Sequence[int]  # gradient bytes at node i's backward (Rule 4)
-    grad_after: Sequence[int]  # the same once node i's backward is done (index n: none done)
-    after_last_save: Sequence[bool]  # per storage: allocated after its producer's last save
-
-
-def region_peak(
-    p: RegionPrices,
-    start: int,
-    stop: int,
-    keep: Collection[int] = (),
-    reached: int | None = None,
-    recompute_extra: int = 0,
-    trigger: int | None = None,
-    frame: tuple[int, int | None] | None = None,
-) -> int:
-    """Peak of region [start, stop)'s recomputation and backward, with nothing nested in it and
-    recomputed to its end, above what the rest of the step keeps meanwhile (gradient buffers
-    included): Rules 1, 2 and 4 in closed form, what a DP or an ILP prices a region at.
-
-    Nodes in ``keep`` (a selective region's) are priced by Rule 6: they are not recomputed and
-    read nothing; their cached outputs are alive as the recomputation starts, and a kept node
-    before ``reached`` (where Rule 5 stops the recomputation; None: the region's end) hands its
-    outputs back, which then live as recomputed ones (to their last recomputed reader, or from
-    the backward of their first saver in the region on); the others stay to the region's end.
-    ``recompute_extra``: bytes held while the recomputation runs, not in backward (Rule 12's
-    fork_rng copy). ``trigger``: the node whose backward recomputes the region (Rule 4,
-    :func:`trigger_node`): the backward of the nodes after it runs first, at their own
-    gradients with only the kept nodes' cache alive, and the recomputation, at the gradients
-    left once they are done, stops after the trigger's last save (Rule 5). None (graphs
-    without save flags): its last node, recomputed whole; a trigger before ``start`` (nothing
-    saves): nothing recomputes. ``frame``: (f, q), Rule 2: the region's frame dies at the
-    backward of node f (:func:`frame_node`), so the backward of the nodes before it runs
-    without the q bytes the caller adds for the frame (the arguments only it keeps, Rule 12's
-    stash); q None: those events are left out, for the caller to price."""
-    reached = stop if reached is None else reached
-    partial = trigger is not None  # Rule 5: the trigger stops after its last save
-    trigger = stop - 1 if trigger is None else trigger
-    recomputed = min(stop, trigger + 1)
-    inside = [t for i in range(start, stop) for t in p.produced[i]]
-    saved_in = {t: [s for s in p.savers[t] if start <= s < stop] for t in inside}
-    # the last recomputed reader; kept nodes do not run again
-    last_in = {
-        t: max([p.producer[t], *[u for u in p.needers[t] if u < stop and u not in keep]])
-        for t in inside
-    }
-    held_whole = {t for i in keep if start <= i < stop and i >= reached for t in p.produced[i]}
-    fwd_peak = live = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
-    ends: dict[int, int] = {}
-    for i in range(start, recomputed):  # what a reader past the stop reads stays (Rule 5)
-        made = [t for t in p.produced[i] if not (partial and i == trigger and p.after_last_save[t])]
-        if i not in keep:
-            for t in made:
-                live += p.size[t]
-            fwd_peak = max(fwd_peak, live + p.fwd_temp[i])
-        for t in made:
-            if not saved_in[t] and t not in held_whole:  # else it stays for the backward
-                ends[last_in[t]] = ends.get(last_in[t], 0) + p.size[t]
-        live -= ends.pop(i, 0)
-    # At node i's backward the region holds what something at or before i saves (Rule 1).
-    from_node = [0] * (stop - start)
-    for t in inside:
-        if t in held_whole:
-            from_node[0] += p.size[t]
-        elif saved_in[t]:
-            from_node[min(saved_in[t]) - start] += p.size[t]
-    cached = sum(p.size[t] for i in keep if start <= i < stop for t in p.produced[i])
-    f, q = frame if frame is not None else (start, 0)
-    bwd_peak, held = 0, 0
-    for i in range(start, stop):
-        held += from_node[i - start]
-        # Rule 4: a node after the trigger runs its backward before the recomputation
-        alive = held if i <= trigger else cached
-        event = p.grad_at_bwd[i] + p.bwd_temp[i] + alive
-        if i < f:  # Rule 2: after the frame has died
-            if q is None:
-                continue
-            event -= q
-        bwd_peak = max(bwd_peak, event)
-    if recomputed <= start:  # nothing saves, so nothing unpacks and nothing recomputes
-        return bwd_peak
-    return max(bwd_peak, p.grad_after[trigger + 1] + fwd_peak + recompute_extra)
 
 
 def simulate(graph: CostGraph, schedule: Schedule) -> Simulation:

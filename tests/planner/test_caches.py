@@ -11,7 +11,7 @@ import random
 import planner
 from planner import caches
 from planner.passes import cpu_timing, op_timing
-from planner.solvers import dp
+from planner.solvers import dp_search as dp
 from planner.solvers.costgraph import Schedule
 from planner.solvers.simulate import simulate
 from tests.solvers.synthetic import random_chain

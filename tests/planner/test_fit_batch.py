@@ -13,7 +13,7 @@ from planner.batch_search import BatchFit
 from planner.devices import device_profile
 from planner.inplace_form import price_inplace
 from planner.planning import price
-from planner.solvers.dp import solve_dp
+from planner.solvers.dp_search import solve_dp
 
 
 def gpt_small():

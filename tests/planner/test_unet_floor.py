@@ -39,7 +39,7 @@ import planner
 from planner.graph_form import PricedGraph, price
 from planner.planning import price_form
 from planner.solvers.costgraph import CostGraph, Region, Schedule
-from planner.solvers.dp import DPOptions, least_peak
+from planner.solvers.dp_search import DPOptions, least_peak
 from planner.solvers.registry import solve
 from planner.solvers.simulate import gradient_bytes, simulate
 from tests.models_zoo import small_unet_example

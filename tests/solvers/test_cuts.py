@@ -8,10 +8,11 @@ import pytest
 
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.cuts import allowed_cuts, forbidden_cuts, region_bounds
-from planner.solvers.dp import solve_dp
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import SOLVERS, get_solver
-from planner.solvers.simulate import InvalidScheduleError, simulate
+from planner.solvers.simulate import simulate
+from planner.solvers.validate import InvalidScheduleError
 from tests.solvers.brute import score_all
 from tests.solvers.synthetic import GraphBuilder, random_inplace_chain
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import CostGraph, Node, Schedule, Tensor
-from planner.solvers.dp import DPOptions, least_peak, solve_all, solve_dp
+from planner.solvers.dp_search import DPOptions, least_peak, solve_all, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import get_solver
 from planner.solvers.simulate import simulate
@@ -233,7 +233,7 @@ def test_dp_solves_long_graphs_coarse_to_fine_and_keeps_the_best_level():
     """On a graph with more boundaries than FIRST_STAGES, dp solves 48 stages, then 192, ...
     (each a whole programme), and answers with the best level: never worse than the coarsest
     level alone, within budget, and its note names the stage space that answered."""
-    from planner.solvers.dp import FIRST_STAGES, stage_levels
+    from planner.solvers.dp_levels import FIRST_STAGES, stage_levels
 
     graph = random_chain(random.Random(3), 600)
     eager = simulate(graph, Schedule()).peak_bytes
@@ -255,7 +255,8 @@ def test_auto_holding_a_schedule_skips_dp_coarsest_level_on_a_staged_graph(monke
     """On a graph staged even at dp's finest level, auto (which already holds greedy's
     schedule, the early answer the coarsest level is for) starts dp at 192 stages; dp alone
     starts at 48. Both plans fit the budget, and auto's is no slower than dp alone's."""
-    import planner.solvers.dp as dp
+    import planner.solvers.dp_levels as levels
+    import planner.solvers.dp_search as dp
 
     graph = random_chain(random.Random(3), 600)
     budget = 0.6 * simulate(graph, Schedule()).peak_bytes
@@ -271,9 +272,9 @@ def test_auto_holding_a_schedule_skips_dp_coarsest_level_on_a_staged_graph(monke
     assert solved[0] == dp.FIRST_STAGES, solved
     solved.clear()
     auto = get_solver("auto")(graph, budget, time_limit_s=600)
-    assert auto.solver == "dp" and solved[0] == dp.LEVEL_GROWTH * dp.FIRST_STAGES, solved
+    assert auto.solver == "dp" and solved[0] == levels.LEVEL_GROWTH * levels.FIRST_STAGES, solved
     # a staged level's regions span stages: at most staged_span of them
-    assert f"spans <= {dp.DEFAULT_STAGED_SPAN} boundaries" in auto.note, auto.note
+    assert f"spans <= {levels.DEFAULT_STAGED_SPAN} boundaries" in auto.note, auto.note
     assert simulate(graph, auto).peak_bytes <= budget
     assert simulate(graph, auto).step_time_s <= simulate(graph, alone).step_time_s
 
@@ -282,11 +283,13 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
     """dp predicts a level's time from the last level's seconds per stage and does not start
     one that cannot finish in the time left (on a graph staged even at its finest level: in
     STAGED_REFINE_SHARE of the limit): it answers with the level it has, and says so. The
-    seconds are the work counted (``dp.WORK``, nominal seconds), here faked at 10 ms per
+    seconds are the work counted (the search's ``Work``, nominal seconds), here faked at 10 ms per
     stage; the wall clock too, so the time limit itself is never reached."""
     import types
 
-    import planner.solvers.dp as dp
+    import planner.solvers.dp as programme
+    import planner.solvers.dp_levels as levels
+    import planner.solvers.dp_search as dp
     import planner.solvers.registry as registry
 
     graph = random_chain(random.Random(3), 600)
@@ -294,6 +297,7 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
     clock = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: clock[0], process_time=lambda: clock[0])
     monkeypatch.setattr(dp, "time", fake)
+    monkeypatch.setattr(programme, "time", fake)
     monkeypatch.setattr(registry, "time", fake)  # SolverOptions.deadline: the one clock
 
     class FakeWork:
@@ -302,16 +306,16 @@ def test_dp_does_not_start_a_level_predicted_to_overrun_the_time_limit(monkeypat
         def nominal_s(self) -> float:
             return clock[0]
 
-    monkeypatch.setattr(dp, "WORK", FakeWork())
+    monkeypatch.setattr(dp, "Work", FakeWork)
     solve_level = dp._solve_within
 
     def timed(graph, budget_bytes, options, *args, **kwargs):
-        bounds = tuple(dp.region_bounds(graph))
-        clock[0] += 0.01 * len(dp.stage_bounds(graph, bounds, options.max_bounds))
+        bounds = tuple(levels.region_bounds(graph))
+        clock[0] += 0.01 * len(levels.stage_bounds(graph, bounds, options.max_bounds))
         return solve_level(graph, budget_bytes, options, *args, **kwargs)
 
     monkeypatch.setattr(dp, "_solve_within", timed)
-    first = solve_dp(graph, budget, max_bounds=dp.FIRST_STAGES, time_limit_s=600)
+    first = solve_dp(graph, budget, max_bounds=levels.FIRST_STAGES, time_limit_s=600)
     # 48 stages take about 0.5 s, so 192 would take about 2 s: 1.6 s - 0.5 s is too little
     short = solve_dp(graph, budget, time_limit_s=2.0)
     assert short.solver == "dp" and "refining to 192 stages not started" in short.note, short.note
@@ -342,7 +346,7 @@ def test_a_pass_without_selective_regions_sharing_the_region_contexts_is_a_fresh
     op-level graph and on one whose spans nest (module-granular, selective offered on every
     span), at caps where selective regions change the first pass's values."""
     from planner.solvers.cuts import block_spans
-    from planner.solvers.dp import without_selective
+    from planner.solvers.dp_search import without_selective
 
     graph = gpt_like_graph(n_layer=2, d_model=32, seq_len=64, batch=2, vocab=64)
     if spans:  # each block, its halves, and the two blocks together
@@ -368,7 +372,7 @@ def test_a_second_budget_reads_the_first_budgets_programme_and_answers_as_a_fres
     """A programme is run up to the eager peak once per graph and space (``solved_once``): a
     solve at another budget runs no new state, and answers, note and all, exactly as a solve
     with nothing cached does; the levels it refines to are decided on the same counted work."""
-    from planner.solvers import dp
+    from planner.solvers import dp_search as dp
 
     graph = gpt_like_graph(n_layer=4, d_model=32, seq_len=64, batch=2, vocab=64)
     eager = simulate(graph, Schedule()).peak_bytes
@@ -383,16 +387,23 @@ def test_a_second_budget_reads_the_first_budgets_programme_and_answers_as_a_fres
     monkeypatch.setattr(
         dp, "solve_all", lambda *a, **k: runs.append(a[1]) or real_solve_all(*a, **k)
     )
-    states = dp.WORK.states
+    works: list = []  # each search's work counter
+    real_work = dp.Work
+    monkeypatch.setattr(dp, "Work", lambda: works.append(real_work()) or works[-1])
+
+    def states() -> int:
+        return sum(w.states for w in works)
+
+    before = states()
     solve_dp(graph, budgets[0])
-    first_states = dp.WORK.states - states
+    first_states = states() - before
     ran = len(runs)
     assert ran and set(runs) == {eager}  # every level up to the eager peak, whatever the budget
     for budget, want in zip(budgets, fresh):  # each read off the run kept
-        states = dp.WORK.states
+        before = states()
         got = solve_dp(graph, budget)
         assert (got.regions, got.note, got.gap) == (want.regions, want.note, want.gap)
         assert simulate(graph, got).peak_bytes <= budget
-        assert dp.WORK.states - states == first_states  # the cached work, counted again
+        assert states() - before == first_states  # the cached work, counted again
     assert len(runs) == ran  # nothing ran again
     assert len({s.regions for s in fresh}) == 3  # three budgets, three different plans

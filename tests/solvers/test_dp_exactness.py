@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Region, Schedule
-from planner.solvers.dp import DPOptions, solve_all, solve_dp
+from planner.solvers.dp_search import DPOptions, solve_all, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import score_all

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Region, Schedule
-from planner.solvers.dp import DPOptions, solve_all, solve_dp
+from planner.solvers.dp_search import DPOptions, solve_all, solve_dp
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import assert_matches, score_all

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Schedule
-from planner.solvers.dp import DPOptions, least_peak, solve_dp
+from planner.solvers.dp_search import DPOptions, least_peak, solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.simulate import simulate

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from planner.solvers import dp
+from planner.solvers import dp_search as dp
 from planner.solvers.costgraph import Schedule, graph_for_objective
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import solve

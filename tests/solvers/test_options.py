@@ -8,7 +8,7 @@ import pytest
 
 from planner.solvers.auto import AutoOptions
 from planner.solvers.costgraph import Schedule
-from planner.solvers.dp import DPOptions, solve_dp
+from planner.solvers.dp_search import DPOptions, solve_dp
 from planner.solvers.registry import SOLVERS, SolverOptions, get_solver, make_options
 from planner.solvers.simulate import simulate
 from tests.solvers.synthetic import gpt_like_graph, random_chain

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from planner.solvers.costgraph import CostGraph, Node, Region, Schedule, Tensor
 from planner.solvers.cuts import forbidden_cuts
-from planner.solvers.dp import solve_dp
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.simulate import simulate

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Region, Schedule
-from planner.solvers.dp import solve_dp
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
 from planner.solvers.registry import solve
 from planner.solvers.selective import is_matmul

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from planner.solvers.costgraph import CostGraph, GradBuffer, Node, Region, Schedule, Tensor
-from planner.solvers.simulate import InvalidScheduleError, gradient_bytes, simulate
+from planner.solvers.simulate import gradient_bytes, simulate
+from planner.solvers.validate import InvalidScheduleError
 
 FLOPS = (1, 2, 4)
 

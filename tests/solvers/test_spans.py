@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.solvers.costgraph import Region, Schedule
-from planner.solvers.dp import solve_dp
+from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError, UnsupportedModelError
 from planner.solvers.ilp import solve_ilp
 from planner.solvers.registry import get_solver
-from planner.solvers.simulate import InvalidScheduleError, simulate
+from planner.solvers.simulate import simulate
+from planner.solvers.validate import InvalidScheduleError
 from tests.solvers.brute import assert_matches, families, score_all
 from tests.solvers.synthetic import random_chain, random_dag
 
