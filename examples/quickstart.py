@@ -46,12 +46,14 @@ tokens = torch.randint(0, 1024, (8, 256))
 example_input = (tokens, tokens.roll(-1, dims=1))  # plan at the largest shape you train
 untouched = copy.deepcopy(model)
 
-eager = planner.measure(model, example_input)
+# step time: the median of three steps (the first touches fresh memory, on a shared machine
+# one step is noisy)
+eager = planner.measure(model, example_input, repeats=3)
 p = planner.plan(model, example_input, mem_budget_gb=0.5 * eager.peak_bytes / 1e9)  # in place
 print(p.summary())
 
 p.apply(model)  # the same model object, its own blocks now checkpointed as planned
-after = planner.measure(model, example_input)
+after = planner.measure(model, example_input, repeats=3)
 print(
     f"measured peak: {eager.peak_bytes / 2**20:.1f} MiB eager -> "
     f"{after.peak_bytes / 2**20:.1f} MiB planned (predicted {p.predicted_peak_bytes / 2**20:.1f} "
