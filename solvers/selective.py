@@ -15,7 +15,6 @@ from planner.solvers.common import finish
 from planner.solvers.costgraph import CostGraph, Region, Schedule
 from planner.solvers.cuts import block_spans, even_cuts
 from planner.solvers.errors import InfeasibleBudgetError
-from planner.solvers.op_classes import is_matmul as is_matmul  # its home before op_classes
 from planner.solvers.op_classes import out_bytes, worth_keeping
 from planner.solvers.registry import SolverOptions, register
 from planner.solvers.simulate import simulate

@@ -70,7 +70,7 @@ def test_selective_and_nested_regions_keep_what_was_planned_bitwise(planned):
     from planner.inplace_form import build_inplace_plan
     from planner.passes.eager import eager_graph
     from planner.solvers.costgraph import Region, Schedule
-    from planner.solvers.selective import out_bytes, worth_keeping
+    from planner.solvers.op_classes import out_bytes, worth_keeping
 
     model, reference, example, _, _ = planned
     eg = eager_graph(model, example, rates=profile_of_model(model))

@@ -14,8 +14,8 @@ import planner
 from benchmarks.models import gpt_ref_small_example
 from benchmarks.vs_anchors import selective_save_matmuls, step_flops
 from planner.solvers.costgraph import Region, Schedule
+from planner.solvers.op_classes import is_matmul
 from planner.solvers.registry import solve
-from planner.solvers.selective import is_matmul
 from planner.solvers.simulate import simulate
 
 

@@ -6,9 +6,9 @@ import pytest
 
 from planner.solvers.costgraph import Schedule
 from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.op_classes import out_bytes, worth_keeping
 from planner.solvers.registry import get_solver
 from planner.solvers.revolve import beta, nested
-from planner.solvers.selective import out_bytes, worth_keeping
 from planner.solvers.simulate import simulate
 from tests.solvers.synthetic import gpt_like_graph
 

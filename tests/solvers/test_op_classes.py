@@ -9,9 +9,10 @@ from planner.solvers.op_classes import (
     MATMUL,
     WEIGHT_MATMUL,
     op_class_tags,
+    out_bytes,
     short_op_name,
+    worth_keeping,
 )
-from planner.solvers.selective import out_bytes, worth_keeping
 from tests.solvers.synthetic import GraphBuilder
 
 

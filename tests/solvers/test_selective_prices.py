@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from planner.solvers.costgraph import Region, Schedule
 from planner.solvers.dp_search import solve_dp
 from planner.solvers.errors import InfeasibleBudgetError
+from planner.solvers.op_classes import is_matmul
 from planner.solvers.registry import solve
-from planner.solvers.selective import is_matmul
 from planner.solvers.simulate import simulate
 from tests.solvers.brute import families
 from tests.solvers.synthetic import gpt_like_graph, random_chain, random_dag, with_quiet_nodes
